@@ -1,0 +1,52 @@
+"""Frozen configuration dataclasses shared by every package.
+
+`SchedulerConfig` and `CacheConfig` hold numbers only: they are what `aserve/core` sees.
+`ModelConfig` names files and dtypes and is read by the model side only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
+    policy: str = "fcfs"  # "fcfs" | "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # decided by the runner from memory; a count given here wins
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # "auto" follows config.json; else float32 / bfloat16 / float16
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    seed: int = 0
+    served_model_name: str | None = None
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model

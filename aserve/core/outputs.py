@@ -1,0 +1,93 @@
+"""Messages between the scheduler, the model runner and the frontend.
+
+A schedule is `{request_id: num_scheduled_tokens}`. Requests the runner has not seen (new ones and
+ones resumed after preemption) travel whole in `NewRequestData`; requests it already holds travel
+as diffs in `CachedRequestData` (new blocks and the new computed count). The runner keeps its own
+copy of every running request's token ids and appends the tokens it samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # In batch order: cached (running) requests first, then new ones, as the dict iterates.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget before this step: finished, aborted or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsLists:
+    """Top-k logprobs of some rows. Row i: `token_ids[i][0]` is the chosen (sampled or prompt)
+    token and `ranks[i]` its rank (1 = most likely); the rest are the top-k in order."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # One entry per scheduled request, in `req_ids` order: the sampled token id, or None when the
+    # step only computed part of the prompt (nothing to sample yet).
+    sampled_token_ids: list[int | None]
+    # Per request: a one-row LogprobsLists for its sampled token, when it asked for logprobs.
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Per request: rows for the prompt tokens this step covered, when it asked for them.
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0  # since start

@@ -1,0 +1,100 @@
+"""`SamplingParams`: how one request turns logits into tokens and when it stops.
+
+Shaped like vLLM's so that user code switches by changing an import. Validation happens once, at
+construction, and names the offending field; nothing invalid reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEEDED = 2
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0 via the API) disables
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Filled by the engine from the model's generation config, not by users.
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == 0:
+            self.top_k = -1
+        if 0 <= self.temperature < 1e-5:  # greedy: the filters below are meaningless
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+
+        check(isinstance(self.n, int) and self.n >= 1, "n", "must be at least 1")
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+              "must be -1 (disable), or at least 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "must be at least 1")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+              "must be greater than or equal to 0")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"must be less than or equal to max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS), name,
+                  f"must be in [0, {MAX_LOGPROBS}]")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEEDED
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end generation: stop_token_ids, plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
