@@ -50,3 +50,12 @@ class ModelConfig:
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about a loaded model, handed up by the executor."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]

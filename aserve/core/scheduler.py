@@ -1,0 +1,265 @@
+"""The scheduler: one token budget per step, spent on running requests first, then waiting ones.
+
+There are no prefill and decode phases. A request has `num_computed_tokens`; a step gives it
+`num_scheduled_tokens` more (a whole prompt, a chunk of one, or the one token sampled last step).
+That covers chunked prefill, prefix-cache hits and resumption after preemption alike.
+
+    schedule():  running  ──(budget, blocks; preempt lowest priority when blocks run out)──┐
+                 waiting  ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)───┤
+                                                                     SchedulerOutput ◄─────┘
+    update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aserve.config import CacheConfig, SchedulerConfig
+from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from aserve.core.request import Request, RequestStatus
+from aserve.core.request_queue import create_request_queue
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_blocks < 1:
+            raise ValueError("CacheConfig.num_blocks must be set before building the scheduler.")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        # Requests the runner still holds but must drop: finished or aborted since last step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._last_output: SchedulerOutput | None = None
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in use.")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
+        """Finish (by default: abort) unfinished requests; unknown ids are ignored."""
+        finished = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.num_unfinished_requests > 0
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+
+        budget = self._schedule_running(budget, num_scheduled, new_block_ids, preempted)
+        resumed_or_new: list[Request] = []
+        if not preempted:
+            self._schedule_waiting(budget, num_scheduled, resumed_or_new)
+
+        output = self._make_output(num_scheduled, new_block_ids, resumed_or_new, preempted)
+        for req_id, num_tokens in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self._last_output = output
+        return output
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_new = min(num_new, threshold)
+        return min(num_new, budget)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          new_block_ids: dict[str, list[int]], preempted: list[Request]) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while block_ids is None:
+                victim = self._pick_victim()
+                budget += num_scheduled.pop(victim.request_id, 0)
+                new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                index = self.running.index(request)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is None:
+                continue  # `request` itself was preempted; `index` now points past it
+            num_scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = block_ids
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          admitted: list[Request]) -> None:
+        kv = self.kv_cache_manager
+        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            cached_blocks, num_cached = kv.get_computed_blocks(request)
+            num_new = self._num_tokens_to_schedule(request, num_cached, budget)
+            if kv.allocate_slots(request, num_new, num_cached, cached_blocks) is None:
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+                     admitted: list[Request], preempted: list[Request]) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        cached = [
+            CachedRequestData(req_id, block_ids, self.requests[req_id].num_computed_tokens)
+            for req_id, block_ids in new_block_ids.items()
+        ]
+        new = [
+            NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                           r.sampling_params, list(kv.get_block_ids(r.request_id)),
+                           r.num_computed_tokens)
+            for r in admitted
+        ]
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                     strict=True):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if token_id is None:
+                if prompt_logprobs is not None:
+                    outputs.append(EngineCoreOutput(req_id, [], None, prompt_logprobs))
+                continue
+            request.append_output_token_ids([token_id])
+            if self._check_stop(request, token_id):
+                self.running.remove(request)
+                self._free(request)
+            outputs.append(EngineCoreOutput(
+                req_id, [token_id], runner_output.logprobs.get(req_id), prompt_logprobs,
+                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set a finished status when `token_id` ends the request; return whether it did."""
+        if (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.config.max_model_len):
+            request.status = RequestStatus.FINISHED_LENGTH
+        elif request.num_output_tokens < request.sampling_params.min_tokens:
+            return False
+        elif token_id in request.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            if token_id not in request.sampling_params.eos_token_ids:
+                request.stop_reason = token_id
+        return request.is_finished
+
+    # ------------------------------------------------------------------ introspection
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """Assert the DESIGN.md §4 invariants that hold between steps."""
+        kv = self.kv_cache_manager
+        kv.check_invariants()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
+        assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            covered = len(kv.get_block_ids(request.request_id)) * self.block_size
+            assert request.num_computed_tokens <= covered, f"blocks do not cover {request}"
+            assert request.num_computed_tokens <= request.num_tokens, request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert not kv.get_block_ids(request.request_id), f"waiting {request} holds blocks"
+        output = self._last_output
+        if output is not None:
+            assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+            assert len(output.num_scheduled_tokens) <= self.config.max_num_seqs

@@ -1,0 +1,46 @@
+"""`EngineArgs`: every knob of the engine in one flat dataclass, as users and the CLI give them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int = 2 * GiB  # bytes for the KV cache (CPU); num_kv_blocks overrides
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    served_model_name: str | None = None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                           max_model_len=self.max_model_len, seed=self.seed,
+                           served_model_name=self.served_model_name)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+        )
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching)

@@ -1,0 +1,62 @@
+"""`EngineCore`: the scheduler loop — schedule, execute, update — over one executor.
+
+The offline `LLM` calls `step()` directly; the server (a later layer) runs the same object in its
+own thread fed by a mailbox. Requests reaching here are already validated by the frontend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from aserve.config import ModelInfo
+from aserve.core.outputs import EngineCoreOutput, SchedulerStats
+from aserve.core.request import Request
+from aserve.core.scheduler import Scheduler
+from aserve.engine.arg_utils import EngineArgs
+from aserve.executor.uniproc import UniProcExecutor
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        self.executor = UniProcExecutor(args.model_config(), args.block_size, args.device)
+        self.model_info: ModelInfo = self.executor.model_info()
+        max_model_len = self.model_info.max_model_len
+        # No more blocks than `max_num_seqs` requests of maximal length can use.
+        max_useful_blocks = -(-args.max_num_seqs * max_model_len // args.block_size)
+        num_blocks = self.executor.initialize_kv_cache(
+            args.kv_cache_memory, args.num_kv_blocks, max_useful_blocks)
+        if num_blocks * args.block_size < max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks} blocks of {args.block_size} tokens "
+                f"({num_blocks * args.block_size} tokens), fewer than max_model_len="
+                f"{max_model_len}: one request of maximal length could never run. Give the "
+                "cache more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len.")
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(args.scheduler_config(max_model_len),
+                                   args.cache_config(num_blocks))
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        finished = self.scheduler.finish_requests(request_ids)
+        return [EngineCoreOutput(r.request_id, [], finish_reason=r.finish_reason) for r in finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

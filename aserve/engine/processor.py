@@ -1,0 +1,77 @@
+"""`Processor`: turns a user's prompt and `SamplingParams` into validated engine requests.
+
+Everything that could make a model step fail is checked here, before a request reaches the
+engine: empty or over-long prompts, token ids outside the vocabulary, logit-bias ids.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aserve.config import ModelInfo
+from aserve.core.request import Request
+from aserve.engine.tokenizer import Tokenizer
+from aserve.sampling_params import SamplingParams
+
+PromptType = str | Mapping
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
+class Processor:
+    def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo) -> None:
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        if isinstance(prompt, str):
+            return self._checked(ProcessedPrompt(prompt, self.tokenizer.encode(prompt)))
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list | tuple) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            return self._checked(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+        if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+            return self.process_prompt(prompt["prompt"])
+        raise ValueError("A prompt must be a string, {'prompt': str} or "
+                         "{'prompt_token_ids': [int, ...]}, got "
+                         f"{type(prompt).__name__}.")
+
+    def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
+        ids = processed.prompt_token_ids
+        if not ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        self.check_token_ids(ids, "prompt_token_ids")
+        max_model_len = self.model_info.max_model_len
+        if len(ids) >= max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {len(ids) + 1} tokens ({len(ids)} in the prompt, at least 1 to "
+                "generate). Please reduce the length of the prompt.")
+        return processed
+
+    def check_token_ids(self, token_ids, field_name: str) -> None:
+        vocab_size = self.model_info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"Token id {bad} in {field_name} is out of vocabulary "
+                             f"(the model has {vocab_size} tokens).")
+
+    def process_params(self, params: SamplingParams) -> SamplingParams:
+        """A copy of `params` checked against the model and given its EOS token ids."""
+        if params.logit_bias:
+            self.check_token_ids(params.logit_bias, "logit_bias")
+        params = copy.copy(params)
+        params.eos_token_ids = self.model_info.eos_token_ids
+        return params
+
+    def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
+        return Request(request_id, prompt.prompt_token_ids, params, arrival_time, priority)

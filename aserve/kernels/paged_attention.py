@@ -1,0 +1,139 @@
+"""Causal attention of a ragged batch over the paged KV cache (torch reference twin).
+
+Cache layout (one layer): `kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]`,
+`k_cache = kv_cache[0]`, `v_cache = kv_cache[1]`. Request r's token i lives in block
+`block_table[r, i // block_size]` at offset `i % block_size` (slot `block_id * block_size + off`):
+
+```
+block_table[r] = [7, 2, 5, ...]        block_size = 4, seq_lens[r] = 10
+  token:   0  1  2  3 |  4  5  6  7 |  8  9
+  block:   7  7  7  7 |  2  2  2  2 |  5  5  .  .      (entries past the need are ignored)
+```
+
+The batch is ragged: request r owns query rows `query_start_loc[r]:query_start_loc[r+1]`, which
+are the LAST q_len tokens of its sequence (positions `seq_len - q_len .. seq_len - 1`):
+
+```
+q rows:   | r0: prefill chunk (5) | r1: decode (1) | r2: decode (1) | r3: chunk (3) |
+          0                       5                6                7               10
+```
+
+Query at position p sees keys j with `j <= p` and, with a sliding window w, `p - j < w` (HF's
+convention). An optional soft cap squashes scores to `cap * tanh(s / cap)` before the softmax.
+All decode rows (q_len == 1) go through ONE batched call over K/V gathered into a padded
+`[B, max_len, Hkv, D]` with a length mask; each longer chunk is one SDPA call. Math happens in
+the query's dtype (as HF's sdpa does). This module imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _gather_kv(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[NB, BS, Hkv, D] cache, [B, nblk] block ids -> [B, Hkv, length, D] contiguous keys."""
+    num_blocks = cache.shape[0]
+    blocks = cache[block_ids.long().clamp(0, num_blocks - 1)]  # [B, nblk, BS, Hkv, D]
+    rows = blocks.flatten(1, 2)[:, :length]  # [B, length, Hkv, D]
+    return rows.transpose(1, 2)  # [B, Hkv, length, D]
+
+
+def _key_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, seq_len: torch.Tensor,
+              sliding_window: int | None) -> torch.Tensor:
+    """Boolean mask, True where a query may attend: broadcast of q_pos [..., Lq, 1] and
+    k_pos [1, Lk] against seq_len [..., 1, 1]."""
+    allowed = (k_pos <= q_pos) & (k_pos < seq_len)
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], mask [B|1, 1, Lq, Lk] (None: causal from 0)."""
+    if soft_cap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
+    v = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, Lq, Lk]
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is None:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)  # [B, Hq, Lq, D]
+
+
+def _decode_batch(q, k_cache, v_cache, block_table, rows, reqs, lens, scale, sliding_window,
+                  soft_cap) -> torch.Tensor:
+    """All q_len == 1 requests at once. rows: their q rows, reqs: request ids, lens: seq lens."""
+    device, block_size = q.device, k_cache.shape[1]
+    max_len = max(lens)
+    num_cols = -(-max_len // block_size)
+    req_idx = torch.tensor(reqs, device=block_table.device)
+    block_ids = block_table[req_idx, :num_cols].to(device)  # [B, nblk]
+    k = _gather_kv(k_cache, block_ids, max_len).to(q.dtype)  # [B, Hkv, max_len, D]
+    v = _gather_kv(v_cache, block_ids, max_len).to(q.dtype)  # [B, Hkv, max_len, D]
+    seq_len = torch.tensor(lens, device=device).view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    k_pos = torch.arange(max_len, device=device)  # [max_len]
+    mask = _key_mask(seq_len - 1, k_pos, seq_len, sliding_window)  # [B, 1, 1, max_len]
+    q_rows = q[torch.tensor(rows, device=device)].unsqueeze(2)  # [B, Hq, 1, D]
+    return _attend(q_rows, k, v, mask, scale, soft_cap).squeeze(2)  # [B, Hq, D]
+
+
+def _chunk(q_rows, k_cache, v_cache, block_ids, seq_len, scale, sliding_window,
+           soft_cap) -> torch.Tensor:
+    """One request's chunk: q_rows [q_len, Hq, D] are the last q_len of seq_len tokens."""
+    device, q_len = q_rows.device, q_rows.shape[0]
+    k = _gather_kv(k_cache, block_ids[None], seq_len).to(q_rows.dtype)  # [1, Hkv, seq_len, D]
+    v = _gather_kv(v_cache, block_ids[None], seq_len).to(q_rows.dtype)  # [1, Hkv, seq_len, D]
+    mask = None
+    if q_len != seq_len or sliding_window is not None:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device).view(q_len, 1)
+        k_pos = torch.arange(seq_len, device=device)  # [seq_len]
+        mask = _key_mask(q_pos, k_pos, torch.tensor(seq_len, device=device), sliding_window)
+    q_b = q_rows.transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    return _attend(q_b, k, v, mask, scale, soft_cap)[0].transpose(0, 1)  # [q_len, Hq, D]
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        block_table: torch.Tensor, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        out: torch.Tensor | None = None, *,
+                        query_start_loc_cpu: list[int] | None = None,
+                        seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+    """Attention of q [T, Hq, D] over the paged caches [NB, BS, Hkv, D]; returns [T, Hq, D].
+
+    query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, M] int32 (entries past a
+    request's need are ignored). `query_start_loc_cpu` / `seq_lens_cpu` are optional host copies
+    of the first two (python lists) that spare the device -> host copy. Rows of `out` past
+    `query_start_loc[R]` (padding) are left untouched (zeros when `out` is None).
+    """
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
+                         f"{k_cache.shape[2]} kv heads.")
+    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+    out = torch.zeros_like(q) if out is None else out
+    block_size = k_cache.shape[1]
+    decodes = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    if decodes:
+        rows = [starts[r] for r in decodes]
+        out[rows] = _decode_batch(q, k_cache, v_cache, block_table, rows, decodes,
+                                  [lens[r] for r in decodes], scale, sliding_window, soft_cap)
+    for r, seq_len in enumerate(lens):
+        start, end = starts[r], starts[r + 1]
+        if end - start <= 1:
+            continue
+        block_ids = block_table[r, : -(-seq_len // block_size)].to(q.device)  # [nblk]
+        out[start:end] = _chunk(q[start:end], k_cache, v_cache, block_ids, seq_len, scale,
+                                sliding_window, soft_cap)
+    return out

@@ -1,0 +1,81 @@
+"""Host-side inputs of one step: the ragged batch every scheduled token is flattened into.
+
+    request      r0 (prefill chunk, 5 tokens)   r1 (decode)   r2 (decode)
+    input_ids    [ a  b  c  d  e ]              [ f ]         [ g ]
+    positions    [ 0  1  2  3  4 ]              [ 17 ]        [ 9 ]
+    query_start_loc  0                           5             6          7
+    seq_lens     5                              18            10
+    slot_mapping block_table[r][pos // block_size] * block_size + pos % block_size
+
+No padding anywhere: token t of the batch belongs to the request whose query range holds t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from aserve.runner.request_state import CachedRequestState
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    query_start_loc: np.ndarray  # [num_reqs + 1] int32
+    seq_lens: np.ndarray  # [num_reqs] int32
+    block_table: np.ndarray  # [num_reqs, max_num_blocks] int32
+    slot_mapping: np.ndarray  # [num_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    # Rows of the batch that sample (their request reaches its last known token this step).
+    sample_req_indices: list[int]
+    logits_indices: np.ndarray  # [num_sampling_reqs] int64: the last token of each of those
+
+
+def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
+                   block_size: int) -> PreparedInputs:
+    num_reqs = len(states)
+    query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int32, num_reqs)
+    seq_lens = num_computed + query_lens  # [num_reqs]
+
+    if all(n == 1 for n in num_scheduled):  # decode-only step: one token each
+        input_ids = np.fromiter((s.all_token_ids[c] for s, c in zip(states, num_computed)),
+                                np.int64, num_reqs)
+        positions = num_computed.astype(np.int64)
+    else:
+        input_ids = np.concatenate([
+            np.asarray(s.all_token_ids[c:c + n], dtype=np.int64)
+            for s, c, n in zip(states, num_computed, num_scheduled)
+        ])
+        # position of each token = its request's computed count + its offset in the query
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        offsets = np.arange(len(input_ids)) - query_start_loc[req_of_token]
+        positions = (num_computed[req_of_token] + offsets).astype(np.int64)
+
+    max_num_blocks = max(len(s.block_ids) for s in states)
+    block_table = np.zeros((num_reqs, max_num_blocks), dtype=np.int32)
+    for i, s in enumerate(states):
+        block_table[i, :len(s.block_ids)] = s.block_ids
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    block_ids = block_table[req_of_token, positions // block_size]
+    slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
+
+    sample_req_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+    logits_indices = query_start_loc[1:][sample_req_indices].astype(np.int64) - 1
+    return PreparedInputs(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        sample_req_indices=sample_req_indices,
+        logits_indices=logits_indices,
+    )

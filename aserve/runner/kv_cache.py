@@ -1,0 +1,25 @@
+"""KV-cache tensors: allocated once, one per attention layer, sized in blocks.
+
+    kv_cache[layer]  [2, num_blocks, block_size, num_kv_heads, head_dim]
+                      └ 0: keys, 1: values
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_cache_bytes_per_block(arch, block_size: int) -> int:
+    """Bytes one block takes across every layer (keys and values)."""
+    itemsize = torch.empty((), dtype=arch.dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
+
+
+def num_blocks_for_memory(arch, block_size: int, kv_cache_memory: int) -> int:
+    return kv_cache_memory // kv_cache_bytes_per_block(arch, block_size)
+
+
+def allocate_kv_caches(arch, num_blocks: int, block_size: int,
+                       device: torch.device) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=arch.dtype, device=device) for _ in range(arch.num_layers)]

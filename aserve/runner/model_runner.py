@@ -1,0 +1,129 @@
+"""`ModelRunner`: one step of one rank — scheduler output in, sampled tokens out.
+
+It keeps its own `CachedRequestState` for each running request (the scheduler sends new requests
+whole and running ones as diffs), flattens the scheduled tokens into one ragged batch, runs the
+model, computes logits only where a request samples, and samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from aserve.config import ModelConfig
+from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from aserve.layers.attention import AttentionMetadata
+from aserve.models import load_model
+from aserve.runner.input_batch import PreparedInputs, prepare_inputs
+from aserve.runner.kv_cache import allocate_kv_caches
+from aserve.runner.request_state import CachedRequestState
+from aserve.runner.sampler import Sampler, compute_prompt_logprobs
+from aserve.runner.sampling_metadata import SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.model, self.arch = load_model(model_config, self.device)
+        self.model.eval()
+        self.vocab_size = self.arch.vocab_size
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.device)
+        for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
+            layer.kv_cache = kv_cache
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
+        inputs = prepare_inputs(states, num_scheduled, self.block_size)
+
+        hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
+                            self._attn_metadata(inputs))  # [num_tokens, hidden_size]
+        prompt_logprobs = self._prompt_logprobs(states, num_scheduled, inputs, hidden)
+
+        sampled: list[int | None] = [None] * len(req_ids)
+        logprobs: dict[str, LogprobsLists] = {}
+        if inputs.sample_req_indices:
+            sample_states = [states[i] for i in inputs.sample_req_indices]
+            logits = self.model.compute_logits(
+                hidden[self._tensor(inputs.logits_indices)])  # [num_sampling, vocab]
+            metadata = SamplingMetadata.build(sample_states, self.vocab_size, self.device,
+                                              generator=self.generator)
+            out = self.sampler(logits, metadata)
+            token_ids = out.sampled_token_ids.tolist()
+            for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
+                sampled[i] = token_id
+                state.append_output_token_id(token_id)
+            if out.logprobs is not None:
+                rows = [j for j, s in enumerate(sample_states)
+                        if s.sampling_params.logprobs is not None]
+                lists = out.logprobs.tolists(
+                    rows, [sample_states[j].sampling_params.logprobs for j in rows])
+                for j, row in zip(rows, lists):
+                    logprobs[sample_states[j].req_id] = row
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _attn_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self._tensor(inputs.query_start_loc),
+            seq_lens=self._tensor(inputs.seq_lens),
+            block_table=self._tensor(inputs.block_table),
+            slot_mapping=self._tensor(inputs.slot_mapping),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+
+    def _prompt_logprobs(self, states: list[CachedRequestState], num_scheduled: list[int],
+                         inputs: PreparedInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunk predicts, for requests that ask."""
+        result: dict[str, LogprobsLists] = {}
+        for i, (state, n) in enumerate(zip(states, num_scheduled)):
+            k = state.sampling_params.prompt_logprobs
+            start = state.num_computed_tokens
+            if k is None or start >= state.num_prompt_tokens - 1:
+                continue
+            # hidden row for position p predicts prompt token p + 1
+            end = min(start + n, state.num_prompt_tokens - 1)
+            first_row = int(inputs.query_start_loc[i])
+            rows = hidden[first_row:first_row + end - start]  # [end - start, hidden_size]
+            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
+            tensors = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
+            result[state.req_id] = tensors.tolists(range(end - start), [k] * (end - start),
+                                                   merge=True)
+        return result

@@ -1,0 +1,208 @@
+"""`Sampler`: logits of the sampling positions → one token per row (+ logprobs), vLLM V1 order.
+
+    raw logits ──► logprobs (log_softmax of the RAW logits, when asked)
+        │
+        ├─ logit_bias ─ min_tokens mask ─ repetition ─ frequency/presence penalties
+        │
+        ├─ greedy rows: argmax (ties → lowest id, like HF)
+        └─ random rows: ÷ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race
+
+The exponential race (argmax of probs / Exponential(1) noise) is Gumbel-max sampling; it lets a
+seeded row draw its noise from its own generator, seeded by (seed, output position) only, so its
+tokens never depend on the batch around it. Nothing here syncs with the host; only seeded rows and
+sparse per-row data loop in Python. This module does not decide which rows sample (the runner does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from aserve.core.outputs import LogprobsLists
+from aserve.runner.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Column 0 is the chosen token (sampled, or the actual next prompt token); columns 1..k are
+    the top-k by logprob, best first. `ranks[i]` = 1 + #tokens with a strictly greater logprob."""
+
+    token_ids: torch.Tensor  # [N, k + 1] int64
+    logprobs: torch.Tensor  # [N, k + 1] float32
+    ranks: torch.Tensor  # [N] int64
+
+    def tolists(self, rows: Sequence[int] | None = None,
+                num_logprobs: Sequence[int] | None = None) -> LogprobsLists:
+        """Rows `rows` (all by default) as lists, in one host transfer. `num_logprobs[j]`, when
+        given, keeps only the top-`num_logprobs[j]` columns (plus column 0) for the j-th row."""
+        token_ids, logprobs, ranks = self.token_ids, self.logprobs, self.ranks
+        if rows is not None:
+            index = torch.tensor(list(rows), dtype=torch.int64).to(token_ids.device)
+            token_ids, logprobs, ranks = token_ids[index], logprobs[index], ranks[index]
+        # float64 holds int64 ids/ranks < 2**53 and float32 logprobs exactly: one copy for all.
+        packed = torch.cat([token_ids.double(), logprobs.double(), ranks.double()[:, None]], 1)
+        width = token_ids.shape[1]
+        host = packed.cpu().tolist()
+        keep = [width] * len(host) if num_logprobs is None else [k + 1 for k in num_logprobs]
+        return LogprobsLists(
+            token_ids=[[int(t) for t in r[:n]] for r, n in zip(host, keep, strict=True)],
+            logprobs=[r[width:width + n] for r, n in zip(host, keep, strict=True)],
+            ranks=[int(r[-1]) for r in host],
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None  # k = metadata.max_num_logprobs
+
+
+class Sampler(torch.nn.Module):
+    """Samples one token per row. Unseeded random rows share `generator` (the global RNG when
+    None); seeded rows get a fresh generator per step from `metadata.seeded_generator_seeds`.
+    The input logits are not modified."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.generator = generator
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        # logits: [N, V] float32
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # [N, V]
+        logits = apply_logits_processors(logits, metadata)
+        sampled = self.sample(logits, metadata)  # [N]
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled,
+                                                      metadata.max_num_logprobs))
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [N]
+        if metadata.all_greedy:
+            return greedy
+        probs = filtered_probs(logits, metadata)  # [N, V]
+        random = probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [N]
+        if greedy is None:
+            return random
+        return torch.where(metadata.temperature == 0, greedy, random)
+
+    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        noise = torch.empty_like(probs)  # [N, V]
+        if len(metadata.seeded_rows) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, seed in zip(metadata.seeded_rows, metadata.seeded_generator_seeds, strict=True):
+            generator = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row].exponential_(generator=generator)
+        # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which argmax picks.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias, min_tokens, then penalties; returns a new tensor if anything applies."""
+    if metadata.logit_bias is not None:
+        rows, ids, values = metadata.logit_bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
+    if metadata.min_tokens_mask is not None:
+        rows, ids = metadata.min_tokens_mask
+        logits = logits.index_put((rows, ids), logits.new_tensor(float("-inf")))
+    if metadata.repetition_penalties is not None:
+        logits = apply_repetition_penalty(logits, metadata.all_token_ids,
+                                          metadata.repetition_penalties)
+    if metadata.presence_penalties is not None or metadata.frequency_penalties is not None:
+        logits = apply_frequency_presence(logits, metadata.output_token_ids,
+                                          metadata.frequency_penalties,
+                                          metadata.presence_penalties)
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, token_ids: torch.Tensor,
+                             penalties: torch.Tensor) -> torch.Tensor:
+    """HF/vLLM: over tokens seen in prompt or output, divide positive logits by the penalty and
+    multiply negative ones. `token_ids` [N, L] is padded with V."""
+    num_rows, vocab_size = logits.shape
+    seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen = seen.scatter_(1, token_ids, True)[:, :vocab_size]  # [N, V]
+    penalty = penalties[:, None]  # [N, 1]
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_frequency_presence(logits: torch.Tensor, token_ids: torch.Tensor,
+                             frequency: torch.Tensor | None,
+                             presence: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI: logits -= frequency * count + presence * (count > 0), counts over OUTPUT tokens.
+    `token_ids` [N, L] is padded with V."""
+    num_rows, vocab_size = logits.shape
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    counts = counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab_size]  # [N, V]
+    if frequency is not None:
+        logits = logits - frequency[:, None] * counts
+    if presence is not None:
+        logits = logits - presence[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p → probabilities [N, V] (a fresh tensor). Greedy rows
+    are scaled by 1 instead of 0; their result is discarded."""
+    temperature = metadata.temperature
+    if not metadata.all_random:
+        temperature = torch.where(temperature == 0, 1.0, temperature)
+    logits = logits / temperature[:, None]  # [N, V]
+    if metadata.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p[:, None]  # [N, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if metadata.top_p is not None:
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    elif metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k)
+    return logits.softmax(dim=-1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose logit is >= the k-th largest (ties at the k-th are kept, as in HF)."""
+    sorted_logits = logits.sort(dim=-1, descending=True).values  # [N, V]
+    kth = sorted_logits.gather(1, (top_k - 1)[:, None])  # [N, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor) -> torch.Tensor:
+    """top_k, then top_p: keep the smallest best-first set whose probability mass reaches top_p
+    (the best token always stays). One sort serves both."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1)[:, None])  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # [N, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, V]; mass of strictly better tokens
+    top_p = top_p[:, None]  # [N, 1]; rows at 1 stay exact despite cumsum rounding
+    drop = (mass_before >= top_p) & (top_p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    num_logprobs: int) -> LogprobsTensors:
+    """logprobs [N, V], chosen token_ids [N] → the chosen token, its rank, and the top-k."""
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, k] each
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [N]
+    return LogprobsTensors(
+        token_ids=torch.cat([token_ids[:, None], top_ids], dim=1),
+        logprobs=torch.cat([chosen, top_logprobs], dim=1),
+        ranks=ranks,
+    )
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor,
+                            num_logprobs: int) -> LogprobsTensors:
+    """Prompt logprobs: logits [M, V] at prompt positions, target_token_ids [M] = the actual next
+    prompt token of each position (column 0 of the result)."""
+    return gather_logprobs(logits.log_softmax(dim=-1), target_token_ids, num_logprobs)
