@@ -70,8 +70,8 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than zero")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", "must be at least 1")
+        max_tokens_ok = isinstance(self.max_tokens, int) and self.max_tokens >= 1
+        check(self.max_tokens is None or max_tokens_ok, "max_tokens", "must be at least 1")
         check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
               "must be greater than or equal to 0")
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

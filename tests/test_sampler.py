@@ -1,5 +1,5 @@
-"""Sampler and SamplingMetadata on CPU: every knob changes exactly what it should, logprobs come from
-the raw logits, seeded draws ignore the batch, and draws follow softmax(logits / T)."""
+"""Sampler and SamplingMetadata on CPU: every knob changes exactly what it should, logprobs come
+from the raw logits, seeded draws ignore the batch, and draws follow softmax(logits / T)."""
 
 from __future__ import annotations
 
@@ -159,13 +159,14 @@ def test_logprobs_come_from_raw_logits_with_correct_ranks():
 def test_tolists_picks_rows_and_trims_columns():
     logits = torch.randn(3, 40)
     out = sample(logits, [state(temperature=0.0, logprobs=k) for k in (3, 0, 1)])
-    lists = out.logprobs.tolists(rows=[2, 0], num_logprobs=[1, 3])
     raw = torch.log_softmax(logits, dim=-1)
-    assert lists.token_ids == [raw[2].topk(1).indices.tolist() * 2, [raw[0].topk(3).indices[0]]
-                               + raw[0].topk(3).indices.tolist()]
-    assert lists.ranks == [1, 1]
-    assert lists.logprobs[1] == pytest.approx([raw[0].max().item()] + raw[0].topk(3).values.tolist())
-    assert len(out.logprobs.tolists().token_ids[1]) == 4
+    top = raw.topk(3, dim=-1)
+    row2, row0 = out.logprobs.tolists(rows=[2, 0], num_logprobs=[1, 3])
+    assert row2.token_ids == [[top.indices[2, 0].item()] * 2] and row2.ranks == [1]
+    assert row0.token_ids == [[top.indices[0, 0].item()] + top.indices[0].tolist()]
+    assert row0.logprobs == [pytest.approx([top.values[0, 0].item()] + top.values[0].tolist())]
+    merged = out.logprobs.tolists(merge=True)
+    assert [len(t) for t in merged.token_ids] == [4, 4, 4] and merged.ranks == [1, 1, 1]
 
 
 def test_prompt_logprobs_put_the_actual_next_token_first():
@@ -192,6 +193,18 @@ def test_seeded_draw_ignores_batch_row_and_global_rng():
         states[row] = state(prompt=[9] * trial, output=[6] * 7, seed=1234)
         batch = sample(logits, states, seed=100 + trial).sampled_token_ids
         assert batch[row].item() == alone.item()
+
+
+def test_unseeded_rows_use_the_generator_given_to_build():
+    logits = torch.zeros(8, 1000)
+    states = [state() for _ in range(8)]
+
+    def draw(seed):
+        generator = torch.Generator().manual_seed(seed)
+        md = SamplingMetadata.build(states, 1000, "cpu", generator=generator)
+        return Sampler()(logits, md).sampled_token_ids.tolist()
+
+    assert draw(1) == draw(1) != draw(2)
 
 
 def test_seeded_draws_differ_across_positions_and_seeds():

@@ -34,9 +34,11 @@ class LogprobsTensors:
     ranks: torch.Tensor  # [N] int64
 
     def tolists(self, rows: Sequence[int] | None = None,
-                num_logprobs: Sequence[int] | None = None) -> LogprobsLists:
-        """Rows `rows` (all by default) as lists, in one host transfer. `num_logprobs[j]`, when
-        given, keeps only the top-`num_logprobs[j]` columns (plus column 0) for the j-th row."""
+                num_logprobs: Sequence[int] | None = None,
+                merge: bool = False) -> list[LogprobsLists] | LogprobsLists:
+        """Rows `rows` (all by default), in one host transfer: one one-row `LogprobsLists` per
+        row, or with `merge` a single `LogprobsLists` holding them all. `num_logprobs[j]`, when
+        given, keeps only column 0 and the top-`num_logprobs[j]` columns of the j-th row."""
         token_ids, logprobs, ranks = self.token_ids, self.logprobs, self.ranks
         if rows is not None:
             index = torch.tensor(list(rows), dtype=torch.int64).to(token_ids.device)
@@ -46,11 +48,13 @@ class LogprobsTensors:
         width = token_ids.shape[1]
         host = packed.cpu().tolist()
         keep = [width] * len(host) if num_logprobs is None else [k + 1 for k in num_logprobs]
-        return LogprobsLists(
-            token_ids=[[int(t) for t in r[:n]] for r, n in zip(host, keep, strict=True)],
-            logprobs=[r[width:width + n] for r, n in zip(host, keep, strict=True)],
-            ranks=[int(r[-1]) for r in host],
-        )
+        token_ids = [[int(t) for t in r[:n]] for r, n in zip(host, keep, strict=True)]
+        logprobs = [r[width:width + n] for r, n in zip(host, keep, strict=True)]
+        ranks = [int(r[-1]) for r in host]
+        if merge:
+            return LogprobsLists(token_ids, logprobs, ranks)
+        return [LogprobsLists([t], [lp], [r])
+                for t, lp, r in zip(token_ids, logprobs, ranks, strict=True)]
 
 
 @dataclass
@@ -60,9 +64,9 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
-    """Samples one token per row. Unseeded random rows share `generator` (the global RNG when
-    None); seeded rows get a fresh generator per step from `metadata.seeded_generator_seeds`.
-    The input logits are not modified."""
+    """Samples one token per row. Unseeded random rows share `metadata.generator`, else
+    `self.generator`, else the global RNG; seeded rows get a fresh generator per step from
+    `metadata.seeded_generator_seeds`. The input logits are not modified."""
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         super().__init__()
@@ -81,9 +85,9 @@ class Sampler(torch.nn.Module):
                                                       metadata.max_num_logprobs))
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [N]
         if metadata.all_greedy:
-            return greedy
+            return logits.argmax(dim=-1)  # [N]
+        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [N]
         probs = filtered_probs(logits, metadata)  # [N, V]
         random = probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [N]
         if greedy is None:
@@ -93,7 +97,8 @@ class Sampler(torch.nn.Module):
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         noise = torch.empty_like(probs)  # [N, V]
         if len(metadata.seeded_rows) < probs.shape[0]:
-            noise.exponential_(generator=self.generator)
+            shared = self.generator if metadata.generator is None else metadata.generator
+            noise.exponential_(generator=shared)
         for row, seed in zip(metadata.seeded_rows, metadata.seeded_generator_seeds, strict=True):
             generator = torch.Generator(device=probs.device).manual_seed(seed)
             noise[row].exponential_(generator=generator)

@@ -61,10 +61,13 @@ class SamplingMetadata:
     seeded_rows: list[int]
     seeded_generator_seeds: list[int]
     max_num_logprobs: int | None  # None when no row asked for logprobs
+    # Noise for unseeded random rows; None = the sampler's own generator (or the global RNG).
+    generator: torch.Generator | None = None
 
     @classmethod
     def build(cls, states: list[CachedRequestState], vocab_size: int,
-              device: torch.device | str) -> SamplingMetadata:
+              device: torch.device | str,
+              generator: torch.Generator | None = None) -> SamplingMetadata:
         device = torch.device(device)
         params = [s.sampling_params for s in states]
         types = [p.sampling_type for p in params]
@@ -96,6 +99,7 @@ class SamplingMetadata:
                 seeded_generator_seed(params[i].seed, len(states[i].output_token_ids))
                 for i in seeded_rows],
             max_num_logprobs=max(logprobs) if logprobs else None,
+            generator=generator,
         )
 
 

@@ -1,0 +1,109 @@
+"""`LLM`: the offline API, shaped like vLLM's (`from aserve import LLM, SamplingParams`).
+
+It drives the same `EngineCore` the server runs, synchronously: add every request, step until
+all are finished, return outputs in input order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from aserve.core.outputs import SchedulerStats
+from aserve.engine.arg_utils import EngineArgs
+from aserve.engine.core import EngineCore
+from aserve.engine.output_processor import OutputProcessor, ParentRequest
+from aserve.engine.outputs import RequestOutput
+from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
+from aserve.engine.tokenizer import Tokenizer
+from aserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a model and generate offline.
+
+    Keyword arguments are `EngineArgs` fields: dtype, max_model_len, max_num_seqs,
+    max_num_batched_tokens, block_size, enable_prefix_caching, kv_cache_memory, num_kv_blocks,
+    seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.tokenizer = Tokenizer.from_dir(self.engine_args.model_config().tokenizer_path)
+        self.engine_core = EngineCore(self.engine_args)
+        self.model_info = self.engine_core.model_info
+        self.processor = Processor(self.tokenizer, self.model_info)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError("priority must have one entry per prompt.")
+        # Validate everything before the engine sees anything: a bad prompt adds nothing.
+        processed = [self.processor.process_prompt(p) for p in prompts]
+        params = [self.processor.process_params(p) for p in params]
+        request_ids = [self._add_request(p, sp, prio)
+                       for p, sp, prio in zip(processed, params, priority, strict=True)]
+        results = {r.request_id: r for r in self._run_engine()}
+        return [results[request_id] for request_id in request_ids]
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(f"Got {len(params)} SamplingParams for {num_prompts} prompts.")
+        return params
+
+    def _add_request(self, prompt: ProcessedPrompt, params: SamplingParams,
+                     priority: int) -> str:
+        request_id = str(next(self._request_counter))
+        child_ids = [request_id] if params.n == 1 else [
+            f"{i}_{request_id}" for i in range(params.n)]
+        parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
+                               completions=[None] * params.n)
+        self.output_processor.add_request(parent, child_ids)
+        for index, child_id in enumerate(child_ids):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + index
+                child_params = replace(params, n=1, seed=seed)
+            self.engine_core.add_request(
+                self.processor.make_request(child_id, prompt, child_params, priority=priority))
+        return request_id
+
+    def _run_engine(self) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        while self.output_processor.has_unfinished_requests():
+            if not self.engine_core.has_unfinished_requests():
+                raise RuntimeError("The engine finished every request but some outputs are "
+                                   "missing: this is a bug in aserve.")
+            outputs = self.engine_core.step()
+            done, to_abort = self.output_processor.process_outputs(outputs)
+            finished.extend(done)
+            if to_abort:
+                self.engine_core.abort_requests(to_abort)
+        return finished
+
+    def stats(self) -> SchedulerStats:
+        return self.engine_core.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

@@ -1,0 +1,118 @@
+"""The attention layer: writes this step's K/V into the paged cache, then attends over it.
+
+The runner allocates each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`
+and binds it to `Attention.kv_cache`; until then (memory profiling) the layer runs plain causal
+attention inside each request's rows. Kernels are the torch references for now; the backend
+choice (Triton on CUDA/ROCm) arrives with `aserve/backends`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.kernels.paged_attention import paged_attention_ref
+from aserve.kernels.store_kv import store_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a ragged batch of R requests (T tokens) sits and what it attends.
+
+    query_start_loc: [R+1] int32, request r owns token rows query_start_loc[r]:[r+1], which are
+        the last q_len tokens of its sequence.
+    seq_lens: [R] int32, tokens in each sequence after this step (computed + scheduled).
+    block_table: [R, M] int32, each request's block ids; entries past its need are ignored.
+    slot_mapping: [T] int64, cache slot (block_id * block_size + offset) for each token's K/V;
+        -1 for padding tokens, which are not written.
+    max_query_len / max_seq_len: maxima of the above, as ints (no device sync needed).
+    query_start_loc_cpu / seq_lens_cpu: optional host copies (python lists) of the first two;
+        when present the reference kernel reads them instead of copying back from the device.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(cls, query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu",
+              num_tokens: int | None = None) -> AttentionMetadata:
+        """Metadata from host lists; tokens past sum(query_lens) up to num_tokens are padding."""
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        slots: list[int] = []
+        for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+            for pos in range(seq_len - q_len, seq_len):
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        slots += [-1] * ((num_tokens or len(slots)) - len(slots))
+        width = max((len(b) for b in block_tables), default=0)
+        table = [b + [0] * (width - len(b)) for b in block_tables]
+        block_table = torch.tensor(table, dtype=torch.int32, device=device)
+        return cls(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=block_table.reshape(len(table), width),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+
+
+class Attention(nn.Module):
+    """Multi-head attention core over the paged KV cache: q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D].
+
+    GQA when num_heads > num_kv_heads. `sliding_window`: keys more than that many positions
+    back are hidden; `soft_cap`: scores are squashed to cap * tanh(s / cap).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads.")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
+        self.kv_cache: torch.Tensor | None = None  # [2, NB, BS, Hkv, D], bound by the runner
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.kv_cache is None:
+            out = self._profile_forward(q, k, v, attn_metadata)
+        else:
+            m = attn_metadata
+            store_kv_ref(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
+            out = paged_attention_ref(
+                q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
+                m.block_table, self.scale, self.sliding_window, self.soft_cap,
+                query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu)
+        return out.view(-1, self.num_heads * self.head_dim)  # [T, Hq*D]
+
+    def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """No cache: plain causal attention within each request's rows (window/cap ignored)."""
+        starts = attn_metadata.query_start_loc_cpu or attn_metadata.query_start_loc.tolist()
+        out = torch.zeros_like(q)  # [T, Hq, D]
+        for start, end in zip(starts[:-1], starts[1:], strict=True):
+            if end == start:
+                continue
+            qr, kr, vr = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, L, D]
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,61 @@
+"""Token embedding and LM head, split over tensor-parallel ranks by vocabulary rows.
+
+```
+vocab rows:  [ rank 0: 0 .. V/tp-1 | rank 1: V/tp .. 2V/tp-1 | ... ]   (last part zero-padded)
+embedding:   each rank looks up the ids it owns, zeroes the rest, all-reduce sums the parts
+LM head:     each rank scores its rows, all-gather concatenates, padding columns are cut
+```
+A tied LM head shares the embedding's weight parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding table [vocab_size, embedding_dim]; this rank holds a contiguous slice of rows."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.num_embeddings = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.rows_per_rank
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | int | None = None) -> None:
+        if loaded.shape[0] != self.num_embeddings or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: embedding ({self.num_embeddings}, "
+                             f"{param.shape[1]}), checkpoint {tuple(loaded.shape)}.")
+        rows = max(0, min(self.rows_per_rank, self.num_embeddings - self.vocab_start))
+        param.data.zero_()
+        param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)  # [T, embedding_dim]
+        local = input_ids - self.vocab_start  # [T]
+        owned = (local >= 0) & (local < self.rows_per_rank)  # [T]
+        out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
+        return tp_all_reduce(out * owned.unsqueeze(-1).to(out.dtype))  # [T, embedding_dim]
+
+
+class LMHead(VocabEmbedding):
+    """Scores hidden states against the vocabulary: [N, hidden] -> [N, vocab_size]."""
+
+    def tie_to(self, embedding: VocabEmbedding) -> None:
+        """Share the embedding's weight (tied word embeddings)."""
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        logits = tp_all_gather(logits, dim=-1)  # [N, rows_per_rank * tp_size]
+        return logits[..., : self.num_embeddings]  # [N, vocab_size]

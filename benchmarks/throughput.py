@@ -1,0 +1,123 @@
+"""Offline throughput: N synthetic requests (random token-id prompts, fixed input/output lengths,
+`ignore_eos`), reported as one JSON line.
+
+    python benchmarks/throughput.py --model DIR -n 64 -i 128 -o 128 [--compare-hf]
+
+With `--compare-hf`, HF transformers `generate` runs the same prompts in static batches in the
+same process run, and the line carries both figures and their ratio (these machines are noisy:
+compare side by side, never against a number from another run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def make_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0,
+                 first_id: int = 3) -> list[list[int]]:
+    """Seeded random token ids, skipping the special ids below `first_id` (the same workload
+    as ../shared/peers/workload.py, so figures compare with the peer's)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(first_id, vocab_size) for _ in range(input_len)] for _ in range(n)]
+
+
+def run_aserve(args, prompts: list[list[int]]) -> dict:
+    from aserve import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=not args.no_prefix_caching)
+    startup = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[: min(4, len(prompts))]],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return summarize("aserve", len(prompts), num_out, sum(map(len, prompts)), elapsed,
+                     startup_s=round(startup, 2))
+
+
+def run_hf(args, prompts: list[list[int]]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype or "auto").eval()
+    batch = args.hf_batch_size
+
+    def generate(batch_prompts: list[list[int]], max_new: int) -> int:
+        ids = torch.tensor(batch_prompts)  # all prompts have the same length: no padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+        return (out.shape[1] - ids.shape[1]) * ids.shape[0]
+
+    with torch.inference_mode():
+        generate(prompts[:1], 4)  # warm-up
+        t0 = time.perf_counter()
+        num_out = sum(generate(prompts[i:i + batch], args.output_len)
+                      for i in range(0, len(prompts), batch))
+        elapsed = time.perf_counter() - t0
+    return summarize("hf-transformers", len(prompts), num_out, sum(map(len, prompts)), elapsed,
+                     batch_size=batch)
+
+
+def summarize(engine: str, num_requests: int, num_output_tokens: int, num_prompt_tokens: int,
+              elapsed: float, **extra) -> dict:
+    return {
+        "engine": engine,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(num_requests / elapsed, 3),
+        "output_tokens_per_s": round(num_output_tokens / elapsed, 1),
+        "total_tokens_per_s": round((num_output_tokens + num_prompt_tokens) / elapsed, 1),
+        **extra,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model directory")
+    ap.add_argument("-n", "--num-prompts", type=int, default=64)
+    ap.add_argument("-i", "--input-len", type=int, default=128)
+    ap.add_argument("-o", "--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    args = ap.parse_args()
+
+    vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab_size, args.seed)
+    result = {
+        "benchmark": "throughput",
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "aserve": run_aserve(args, prompts),
+    }
+    if args.compare_hf:
+        result["hf"] = run_hf(args, prompts)
+        result["ratio_vs_hf"] = round(result["aserve"]["output_tokens_per_s"]
+                                      / result["hf"]["output_tokens_per_s"], 3)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
