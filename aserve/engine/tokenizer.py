@@ -23,7 +23,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
 SPECIAL_TOKEN_ATTRS = (
@@ -176,41 +176,26 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- loading
 
     def _configure_backend(self, config: dict[str, Any]) -> None:
-        """Bring the backend to the state transformers leaves it in after loading."""
+        """Bring the backend to the state transformers leaves it in after loading.
+
+        The post-processor is left as tokenizer.json has it: transformers (v5) drops the config's
+        add_bos_token / add_eos_token whenever a tokenizer.json exists, so those flags never
+        change which ids `encode` adds.
+        """
         backend = self.backend
         backend.no_padding()
         backend.no_truncation()
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-        present = {t.content for t in backend.get_added_tokens_decoder().values()}
         declared = sorted((config.get("added_tokens_decoder") or {}).items(),
                           key=lambda kv: int(kv[0]))
-        for _, token in declared:
-            token = dict(token)
-            token.pop("__type", None)
-            if token["content"] not in present:
-                backend.add_tokens([AddedToken(**token)])
-                present.add(token["content"])
+        tokens = [AddedToken(**{k: v for k, v in t.items() if k != "__type"}) for _, t in declared]
+        if tokens:  # like transformers: re-add them all, which also updates their flags
+            backend.add_tokens(tokens)
+        present = {t.content for t in backend.get_added_tokens_decoder().values()}
         named = [*self.special_tokens_map.values(), *self.extra_special_tokens]
         missing = [c for c in dict.fromkeys(named) if c not in present]
         if missing:
             backend.add_special_tokens([AddedToken(c, special=True) for c in missing])
-        explicit = "add_bos_token" in config or "add_eos_token" in config
-        if explicit or backend.post_processor is None:
-            self._set_template_post_processor(bool(config.get("add_bos_token", False)),
-                                              bool(config.get("add_eos_token", False)))
-
-    def _set_template_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        # transformers replaces the post-processor whenever the config states add_bos/eos_token.
-        bos = self.special_tokens_map.get("bos_token")
-        eos = self.special_tokens_map.get("eos_token")
-        add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
-        single = f"{f'{bos}:0 ' if add_bos else ''}$A:0{f' {eos}:0' if add_eos else ''}"
-        pair = (f"{single}{f' {bos}:1' if add_bos else ''} $B:1"
-                f"{f' {eos}:1' if add_eos else ''}")
-        special = [(bos, self.bos_token_id)] if add_bos else []
-        special += [(eos, self.eos_token_id)] if add_eos else []
-        self.backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=special)
 
     def _merge_eos_ids(self, generation_config: Mapping[str, Any]) -> tuple[int, ...]:
         """The tokenizer's EOS id, then any others generation_config.json declares."""
