@@ -74,3 +74,63 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     return out
+
+
+_ARCH_CONFIGS = {  # arch -> (transformers config class name, model class name)
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+# Tiny and fast, yet peaked: the default init (std 0.02) gives near-flat logits whose argmax
+# flips between implementations; std INIT_STD gives logits of std ~2.4 and a median top-1/top-2
+# gap ~0.5 (about 0.1% of positions under 1e-3), and greedy runs stay varied. Biases (zero in
+# HF's init) and norm weights (ones) are randomised too, so loading them is tested.
+INIT_STD = 0.3
+TINY_CONFIG = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    initializer_range=INIT_STD, rms_norm_eps=1e-6, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID, tie_word_embeddings=False,
+)
+
+
+def _randomise_biases_and_norms(model) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_STD)
+            elif "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+
+
+def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
+                  max_shard_size: str | None = None, **config_overrides) -> Path:
+    """Save a tiny random-weight transformers model (fp32) plus tokenizer and generation config.
+
+    arch: llama | mistral | qwen2 | qwen3. `config_overrides` go to the transformers config
+    (e.g. num_key_value_heads=4, tie_word_embeddings=True, head_dim=32,
+    rope_scaling={"rope_type": "llama3", ...}); `max_shard_size="100KB"` writes a sharded
+    checkpoint with model.safetensors.index.json.
+    """
+    import torch
+    import transformers
+
+    config_name, model_name = _ARCH_CONFIGS[arch]
+    kwargs = {**TINY_CONFIG, **config_overrides}
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    _randomise_biases_and_norms(model)
+    out = Path(out_dir)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, safe_serialization=True, **save_kwargs)
+    build_tokenizer(out, vocab_size=config.vocab_size)
+    gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out

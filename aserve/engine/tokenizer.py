@@ -13,9 +13,10 @@ tokenizer from a vocab file): a directory is trusted to ship a complete `tokeniz
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 SPECIAL_TOKEN_ATTRS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _UNBOUNDED_LENGTH = int(1e29)  # transformers writes int(1e30) for "no limit"
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
@@ -126,6 +128,16 @@ class Tokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._special_id("pad_token")
+
+    @cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """Ids of the `<0xNN>` byte tokens when the decoder has a ByteFallback step, else empty.
+        That step decodes a run of byte tokens as a whole (one U+FFFD per byte if the run is not
+        valid UTF-8), so incremental decoding must not commit to a run's text before it ends."""
+        if "ByteFallback" not in repr(self.backend.decoder):
+            return frozenset()
+        vocab = self.backend.get_vocab(with_added_tokens=False)
+        return frozenset(i for token, i in vocab.items() if _BYTE_TOKEN.fullmatch(token))
 
     @property
     def all_special_ids(self) -> list[int]:

@@ -71,8 +71,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v)  # [B, Hq, Lq, D]
 
 
-def _decode_batch(q, k_cache, v_cache, block_table, rows, reqs, lens, scale, sliding_window,
-                  soft_cap) -> torch.Tensor:
+def _decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, rows: list[int], reqs: list[int], lens: list[int],
+                  scale: float, sliding_window: int | None, soft_cap: float | None
+                  ) -> torch.Tensor:
     """All q_len == 1 requests at once. rows: their q rows, reqs: request ids, lens: seq lens."""
     device, block_size = q.device, k_cache.shape[1]
     max_len = max(lens)
@@ -88,8 +90,9 @@ def _decode_batch(q, k_cache, v_cache, block_table, rows, reqs, lens, scale, sli
     return _attend(q_rows, k, v, mask, scale, soft_cap).squeeze(2)  # [B, Hq, D]
 
 
-def _chunk(q_rows, k_cache, v_cache, block_ids, seq_len, scale, sliding_window,
-           soft_cap) -> torch.Tensor:
+def _chunk(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           block_ids: torch.Tensor, seq_len: int, scale: float, sliding_window: int | None,
+           soft_cap: float | None) -> torch.Tensor:
     """One request's chunk: q_rows [q_len, Hq, D] are the last q_len of seq_len tokens."""
     device, q_len = q_rows.device, q_rows.shape[0]
     k = _gather_kv(k_cache, block_ids[None], seq_len).to(q_rows.dtype)  # [1, Hkv, seq_len, D]

@@ -65,7 +65,8 @@ def _yarn(base: float, dim: int, max_position: int, p: dict[str, Any]
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)  # [dim/2]
     extrapolation = 1 - ramp  # weight of the unscaled frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
     return inv_freq, float(attention_factor)
 
 

@@ -1,0 +1,137 @@
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm over head_dim,
+before rope). Siblings differ only by flags read from `ModelArchConfig`.
+
+Parameter names are HF's, except the packed projections listed in `packed_modules`:
+q_proj/k_proj/v_proj load into `qkv_proj` and gate_proj/up_proj into `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from aserve.layers.activation import SiluAndMul
+from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.embedding import LMHead, VocabEmbedding
+from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.norm import RMSNorm
+from aserve.layers.rotary import RotaryEmbedding, get_rope
+from aserve.models.arch_config import ModelArchConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
+                                          bias=arch.attention_bias)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size,
+                                        bias=arch.o_proj_bias)
+        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(num_heads, num_kv_heads, d, d**-0.5, arch.sliding_window)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            d = self.attn.head_dim
+            q = self.q_norm(q.reshape(-1, self.attn.num_heads, d)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.attn.num_kv_heads, d)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)  # [T, q_size], [T, kv_size]
+        return self.o_proj(self.attn(q, k, v, attn_metadata))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
+                                                       bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=arch.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, rotary_emb)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, attn_metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        dtype = torch.get_default_dtype()
+        self.rotary_emb = get_rope(arch.head_dim, arch.rotary_dim, arch.max_position_embeddings,
+                                   arch.rope_theta, arch.rope_scaling, dtype)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, self.rotary_emb) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+
+    Build it under the target default dtype and device (the loader does); parameters are empty
+    until weights are loaded.
+    """
+
+    # checkpoint module name -> (packed module name, shard id for its weight_loader)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention modules in layer order; the runner binds `kv_cache` on each."""
+        return [layer.self_attn.attn for layer in self.model.layers]

@@ -1,0 +1,183 @@
+"""Build a model from an HF directory: config.json -> `ModelArchConfig` -> model class on the
+device in the chosen dtype -> safetensors weights streamed tensor by tensor through each
+parameter's `weight_loader` (the packed-modules table renames q/k/v and gate/up).
+
+Reads only local files (no hub downloads). Checkpoints: `model.safetensors`, the shards named
+by `model.safetensors.index.json`, or every `*.safetensors` in the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from aserve.config import ModelConfig
+from aserve.models.arch_config import ModelArchConfig
+from aserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
+               ) -> tuple[nn.Module, ModelArchConfig]:
+    """The model (eval mode, weights loaded) and its normalised architecture config."""
+    model_dir = Path(model_config.model)
+    arch = read_arch_config(model_dir)
+    max_model_len = effective_max_model_len(arch, model_config.max_model_len)
+    check_sliding_window(arch, max_model_len)
+    model_cls = get_model_class(arch.architecture)
+    dtype = resolve_dtype(model_config.dtype, arch)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(arch)
+    load_weights(model, weight_files(model_dir), arch.tie_word_embeddings)
+    return model.eval(), arch
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name} in {path.parent} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} in {path.parent} is not a JSON object.")
+    return data
+
+
+def read_arch_config(model_dir: Path) -> ModelArchConfig:
+    """Parse config.json (required) and generation_config.json (optional) of `model_dir`."""
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist.")
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"config.json not found in model directory {model_dir}.")
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else None
+    try:
+        return ModelArchConfig.from_hf(_read_json(config_path), gen)
+    except KeyError as e:
+        raise ValueError(f"config.json in {model_dir} lacks required key {e}.") from None
+
+
+def effective_max_model_len(arch: ModelArchConfig, requested: int | None) -> int:
+    """`requested`, or the model's max_position_embeddings when None; never longer than it."""
+    if requested is None:
+        return arch.max_position_embeddings
+    if requested < 1:
+        raise ValueError(f"max_model_len must be at least 1, got {requested}.")
+    if requested > arch.max_position_embeddings:
+        raise ValueError(f"max_model_len {requested} exceeds the model's "
+                         f"max_position_embeddings ({arch.max_position_embeddings}).")
+    return requested
+
+
+def check_sliding_window(arch: ModelArchConfig, max_model_len: int) -> None:
+    """A window at least max_model_len long never hides a key; a shorter one is refused."""
+    if arch.sliding_window is not None and arch.sliding_window < max_model_len:
+        raise ValueError(
+            "hybrid/sliding-window attention is not supported yet: the model's sliding window "
+            f"({arch.sliding_window} tokens) is shorter than max_model_len ({max_model_len}); "
+            f"pass max_model_len <= {arch.sliding_window}.")
+
+
+def resolve_dtype(name: str, arch: ModelArchConfig) -> torch.dtype:
+    """"auto" follows config.json (float32 when it names none); else a float dtype name."""
+    if name == "auto":
+        return arch.dtype or torch.float32
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype {name!r} is not supported; use auto, float32, bfloat16 "
+                         "or float16.")
+    return _DTYPE_NAMES[name]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map", {})
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    files = [single] if single.is_file() else sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in model directory {model_dir}.")
+    return files
+
+
+def _target(name: str, packed: dict[str, tuple[str, str | int]]
+            ) -> tuple[str, str | int | None]:
+    """Checkpoint name -> (parameter name, shard id or None)."""
+    for module, (packed_module, shard_id) in packed.items():
+        if f".{module}." in name:
+            return name.replace(f".{module}.", f".{packed_module}."), shard_id
+    return name, None
+
+
+def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) -> set[str]:
+    """Checkpoint names the model needs: its parameter names with packed modules unpacked."""
+    names = set()
+    for name, _ in model.named_parameters():
+        sources = [name.replace(f".{p}.", f".{m}.") for m, (p, _) in packed.items()
+                   if f".{p}." in name]
+        names.update(sources or [name])
+    return names
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
+                         f"checkpoint {tuple(loaded.shape)}.")
+    param.data.copy_(loaded)
+
+
+def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
+    """Stream every tensor of `files` into `model`; error naming any weight left unloaded."""
+    packed = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    loaded, unexpected = set(), []
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                target, shard_id = _target(name, packed)
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                if target not in params:
+                    unexpected.append(name)
+                    continue
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                try:
+                    if loader is None:
+                        _default_loader(param, f.get_tensor(name))
+                    else:
+                        loader(param, f.get_tensor(name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"cannot load weight {name} from {path.name}: {e}") from None
+                loaded.add(name)
+    if unexpected:
+        logger.warning("ignored %d checkpoint tensors the model does not use: %s",
+                       len(unexpected), ", ".join(unexpected[:8]))
+    missing = sorted(_expected_names(model, packed) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")

@@ -1,0 +1,176 @@
+"""A fake model runner for scheduler tests: a dict for the KV cache, a hash for the model.
+
+`FakeRunner` plays the runner's side of the protocol in `aserve/core/outputs.py`. It keeps its own
+copy of each request's token ids and block table, built only from `NewRequestData` and
+`CachedRequestData`; it "computes" a scheduled token by writing its id into a slot → token dict;
+and it samples `token_fn(req_id, position)` when a request's whole sequence is computed (partial
+prefill chunks sample nothing). On every step it checks what a real runner silently relies on:
+
+- the schedule respects the token budget, `max_num_seqs` and the long-prefill threshold, and its
+  batch order is cached (running) requests first, then new ones;
+- no waiting request is admitted in a step that preempted one;
+- the diffs rebuild exactly the scheduler's token ids, block tables and computed counts;
+- attention would read the right K/V: the slots of positions [0, computed + scheduled) hold the
+  request's own tokens, so a prefix hit or a resumption never reads a block that nobody wrote or
+  that someone else overwrote;
+- every block in the prefix cache holds exactly the tokens its hash names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aserve.core.hashing import hash_block_tokens
+from aserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aserve.core.request import RequestStatus
+from aserve.core.scheduler import Scheduler
+
+TokenFn = Callable[[str, int], int]
+
+
+def fake_token(req_id: str, position: int, vocab_size: int = 1000) -> int:
+    """A deterministic "model": the token a request samples at `position`."""
+    digest = hashlib.sha256(f"{req_id}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % vocab_size
+
+
+@dataclass
+class _RunnerState:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    cache_salt: str | None
+
+
+class FakeRunner:
+    """Drives `scheduler` one step at a time and records what each request streamed."""
+
+    def __init__(self, scheduler: Scheduler, token_fn: TokenFn = fake_token) -> None:
+        self.scheduler = scheduler
+        self.token_fn = token_fn
+        self.block_size = scheduler.block_size
+        self.states: dict[str, _RunnerState] = {}
+        self.slots: dict[int, int] = {}  # slot → the token id whose K/V it holds
+        self.block_content: dict[int, bytes] = {}  # block id → chained hash of what it holds
+        self.streamed: dict[str, list[int]] = {}  # req id → tokens from EngineCoreOutputs
+        self.finish_reasons: dict[str, str] = {}
+        self.stop_reasons: dict[str, int | str | None] = {}
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ driving
+
+    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        scheduler = self.scheduler
+        output = scheduler.schedule()
+        scheduler.check_invariants()
+        self.check_schedule(output)
+        runner_output = self.execute(output)
+        outputs = scheduler.update_from_output(output, runner_output)
+        scheduler.check_invariants()
+        for out in outputs:
+            self.streamed.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finished:
+                self.finish_reasons[out.req_id] = out.finish_reason
+                self.stop_reasons[out.req_id] = out.stop_reason
+        self.num_steps += 1
+        return output, outputs
+
+    def run_until_done(self, max_steps: int = 1000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+    # ------------------------------------------------------------------ checks
+
+    def check_schedule(self, output: SchedulerOutput) -> None:
+        scheduler, config = self.scheduler, self.scheduler.config
+        kv = scheduler.kv_cache_manager
+        scheduled = output.num_scheduled_tokens
+        assert output.total_num_scheduled_tokens == sum(scheduled.values())
+        assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens
+        assert len(scheduled) <= config.max_num_seqs
+        assert len(scheduler.running) <= config.max_num_seqs
+        assert list(scheduled) == ([c.req_id for c in output.scheduled_cached_reqs]
+                                   + [n.req_id for n in output.scheduled_new_reqs])
+        assert not (output.finished_req_ids | output.preempted_req_ids) & set(scheduled)
+        if output.preempted_req_ids:
+            assert not output.scheduled_new_reqs, "admitted a request in a preempting step"
+        for req_id, num_tokens in scheduled.items():
+            request = scheduler.requests[req_id]
+            assert num_tokens >= 1
+            if config.long_prefill_token_threshold:
+                assert num_tokens <= config.long_prefill_token_threshold
+            assert request.status == RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens
+            covered = len(kv.get_block_ids(req_id)) * self.block_size
+            assert covered >= request.num_computed_tokens, f"blocks do not cover {request}"
+
+    def check_prefix_cache_content(self) -> None:
+        for block_hash, block in self.scheduler.kv_cache_manager.block_pool.cached_blocks.items():
+            assert self.block_content.get(block.block_id) == block_hash, (
+                f"{block} is in the prefix cache but holds other (or no) K/V")
+
+    # ------------------------------------------------------------------ the runner's side
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(output)
+        req_ids = list(output.num_scheduled_tokens)
+        for req_id in req_ids:
+            self._compute(req_id, output.num_scheduled_tokens[req_id])
+        for req_id in req_ids:  # all writes land before any read, as layer by layer on a GPU
+            self._check_reads(req_id)
+        self.check_prefix_cache_content()
+        sampled: list[int | None] = []
+        for req_id in req_ids:
+            state = self.states[req_id]
+            token_id = None
+            if state.num_computed_tokens == len(state.tokens):
+                token_id = self.token_fn(req_id, len(state.tokens))
+                state.tokens.append(token_id)
+            sampled.append(token_id)
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+
+    def _update_states(self, output: SchedulerOutput) -> None:
+        for req_id in output.finished_req_ids | output.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in output.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent whole twice"
+            salt = self.scheduler.requests[new.req_id].cache_salt
+            self.states[new.req_id] = _RunnerState(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                new.num_computed_tokens, salt)
+        for cached in output.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            assert state.num_computed_tokens == cached.num_computed_tokens
+            state.block_ids.extend(cached.new_block_ids)
+
+    def _compute(self, req_id: str, num_tokens: int) -> None:
+        state, request = self.states[req_id], self.scheduler.requests[req_id]
+        assert state.tokens == request.all_token_ids, f"runner and scheduler disagree on {req_id}"
+        assert state.block_ids == self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
+        assert end == request.num_computed_tokens <= len(state.tokens)
+        assert len(state.block_ids) * self.block_size >= end
+        size = self.block_size
+        for position in range(start, end):
+            block_id = state.block_ids[position // size]
+            self.block_content.pop(block_id, None)
+            self.slots[block_id * size + position % size] = state.tokens[position]
+        state.num_computed_tokens = end
+        parent = None
+        for index in range(end // size):  # record what each full block now holds
+            extra = (state.cache_salt,) if index == 0 and state.cache_salt is not None else None
+            parent = hash_block_tokens(parent, state.tokens[index * size:(index + 1) * size], extra)
+            if index >= start // size:
+                self.block_content[state.block_ids[index]] = parent
+
+    def _check_reads(self, req_id: str) -> None:
+        state, size = self.states[req_id], self.block_size
+        for position in range(state.num_computed_tokens):
+            slot = state.block_ids[position // size] * size + position % size
+            assert self.slots.get(slot) == state.tokens[position], (
+                f"{req_id} would attend to wrong K/V at position {position}")
