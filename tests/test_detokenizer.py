@@ -4,6 +4,7 @@ one."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import random
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer  # noqa: E402
+from hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus  # noqa: E402
 
 from aserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from aserve.engine.tokenizer import Tokenizer  # noqa: E402
@@ -43,6 +44,31 @@ def tok(model_dir: pathlib.Path) -> Tokenizer:
 def hf(model_dir: pathlib.Path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def sp_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback, a decoder that strips one
+    leading space) trained on ASCII only, so other characters come out of `<0xNN>` tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = Backend(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  special_tokens=["<unk>", "<s>", "</s>", *byte_tokens])
+    backend.train_from_iterator([t for t in corpus() if t.isascii()], trainer=trainer)
+    data = json.loads(backend.to_str())  # byte tokens as plain vocab entries, as in Llama's
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in byte_tokens]
+    out = tmp_path_factory.mktemp("sp")
+    (out / "tokenizer.json").write_text(json.dumps(data))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+              "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 def random_chunks(ids: list[int], rng: random.Random, max_chunk: int) -> list[list[int]]:
@@ -244,3 +270,43 @@ def test_decoding_window_stays_small(tok, monkeypatch):
     detok.update([], finished=True)
     assert detok.output_text == original(ids)
     assert len(ids) > 1000 and max(sizes) <= 8
+
+
+def test_byte_fallback_text_streams_exactly(sp_dir):
+    """Characters split over `<0xNN>` tokens never stream half-done, and the pieces add up to
+    the full decode, transformers' included."""
+    transformers = pytest.importorskip("transformers")
+    sp, ref = Tokenizer.from_dir(sp_dir), transformers.AutoTokenizer.from_pretrained(sp_dir)
+    assert len(sp.byte_token_ids) == 256
+    rng = random.Random(3)
+    for text in TEXTS:
+        ids = sp.encode(text, add_special_tokens=False)
+        assert ids == ref(text, add_special_tokens=False)["input_ids"]
+        for max_chunk in (1, 3):
+            detok = IncrementalDetokenizer(sp, [])
+            pieces, _ = stream(detok, random_chunks(ids, rng, max_chunk))
+            assert "".join(pieces) == detok.output_text == sp.decode(ids)
+            assert sp.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+            assert not any("\ufffd" in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_fallback_random_ids_stream_to_full_decode(sp_dir, skip_special_tokens):
+    """A run of byte tokens decodes as a whole (one U+FFFD per byte when invalid), so text is
+    held while the ids end in one; a skipped special token does not end the run."""
+    sp = Tokenizer.from_dir(sp_dir)
+    rng = random.Random(4)
+    for _ in range(400):
+        ids = [rng.randrange(sp.vocab_size) for _ in range(rng.randint(1, 30))]
+        detok = IncrementalDetokenizer(sp, [], skip_special_tokens=skip_special_tokens)
+        pieces, _ = stream(detok, random_chunks(ids, rng, 3))
+        assert "".join(pieces) == sp.decode(ids, skip_special_tokens=skip_special_tokens), ids
+
+
+def test_sentencepiece_first_output_token_keeps_its_space_after_a_prompt(sp_dir):
+    sp = Tokenizer.from_dir(sp_dir)
+    prompt, ids = sp.encode("Say:"), sp.encode("Hello world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(sp, prompt)
+    detok.update(ids, finished=True)
+    assert sp.decode(ids) == "Hello world"  # decoded alone, the space is stripped
+    assert detok.output_text == " Hello world" == sp.decode(prompt + ids)[len("Say:"):]

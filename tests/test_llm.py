@@ -120,6 +120,8 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(llm):
 def test_missing_model_directory_names_the_file(tmp_path):
     with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
         LLM(str(tmp_path))
+    with pytest.raises((FileNotFoundError, ValueError), match="no-such-dir"):
+        LLM(str(tmp_path / "no-such-dir"))
 
 
 def test_bfloat16_generates(model_dir_factory):

@@ -43,7 +43,8 @@ def reference(request, model_dir_factory):
 
 
 def greedy(**extra) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, **extra)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": NUM_NEW, "ignore_eos": True,
+                             **extra})
 
 
 def generate_ids(llm: LLM, prompts: list[list[int]], params=None) -> list[list[int]]:

@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
 
         self._byte_token_ids = tokenizer.byte_token_ids
         context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
-        while context and context[-1] in self._byte_token_ids:
+        while self._ends_in_byte_run(context):
             context.pop()  # output bytes must not join a run of prompt bytes
         context_text = self._decode(context)
         if context_text.endswith(REPLACEMENT_CHAR):
@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
         """Text of the ids past the read offset, or "" while it is empty or ends in an incomplete
         UTF-8 sequence or a byte-token run (unless `flush`). Advances the window when it returns
         text."""
-        if not flush and self._ids and self._ids[-1] in self._byte_token_ids:
+        if False:
             return ""
         text = self._decode(self._ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text):
@@ -131,6 +131,16 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset:])
         return new_text
+
+    def _ends_in_byte_run(self, ids: list[int]) -> bool:
+        """Whether the last of `ids` that the decoder sees is a ByteFallback byte token."""
+        if not self._byte_token_ids:
+            return False
+        skipped = self.tokenizer.skippable_token_ids if self.skip_special_tokens else ()
+        for token_id in reversed(ids):
+            if token_id not in skipped:
+                return token_id in self._byte_token_ids
+        return False
 
     def _check_stop_strings(self, num_old_chars: int) -> str | None:
         """Find the stop string that completes first in the text added after `num_old_chars`

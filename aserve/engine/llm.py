@@ -30,8 +30,8 @@ class LLM:
 
     def __init__(self, model: str, **kwargs) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.tokenizer = Tokenizer.from_dir(self.engine_args.model_config().tokenizer_path)
         self.engine_core = EngineCore(self.engine_args)
+        self.tokenizer = Tokenizer.from_dir(self.engine_args.model_config().tokenizer_path)
         self.model_info = self.engine_core.model_info
         self.processor = Processor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -130,6 +130,13 @@ class Tokenizer:
         return self._special_id("pad_token")
 
     @cached_property
+    def skippable_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops: the added tokens marked
+        special (a superset of `all_special_ids`)."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    @cached_property
     def byte_token_ids(self) -> frozenset[int]:
         """Ids of the `<0xNN>` byte tokens when the decoder has a ByteFallback step, else empty.
         That step decodes a run of byte tokens as a whole (one U+FFFD per byte if the run is not
