@@ -310,3 +310,13 @@ def test_sentencepiece_first_output_token_keeps_its_space_after_a_prompt(sp_dir)
     detok.update(ids, finished=True)
     assert sp.decode(ids) == "Hello world"  # decoded alone, the space is stripped
     assert detok.output_text == " Hello world" == sp.decode(prompt + ids)[len("Say:"):]
+
+
+def test_output_bytes_do_not_join_the_prompts_byte_run(sp_dir):
+    sp = Tokenizer.from_dir(sp_dir)
+    prompt = sp.encode("Say é")
+    assert prompt[-1] in sp.byte_token_ids
+    ids = [sp.token_to_id("<0x80>"), sp.token_to_id("e")]
+    detok = IncrementalDetokenizer(sp, prompt)
+    detok.update(ids, finished=True)
+    assert detok.output_text == sp.decode(ids) == "\ufffde"

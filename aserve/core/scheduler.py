@@ -109,6 +109,10 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
                           new_block_ids: dict[str, list[int]], preempted: list[Request]) -> int:
+        if self.config.policy == "priority":
+            # Highest priority first, so a victim (the lowest) is never one already scheduled
+            # this step: its newly full blocks are in the prefix cache, K/V not yet computed.
+            self.running.sort(key=Request.sort_key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -133,8 +137,8 @@ class Scheduler:
         return budget
 
     def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=Request.sort_key)
+        if self.config.policy == "priority":  # on a tie, the one admitted last
+            return max(reversed(self.running), key=Request.sort_key)
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
@@ -221,8 +225,9 @@ class Scheduler:
             return False
         elif token_id in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
-            if token_id not in request.sampling_params.eos_token_ids:
-                request.stop_reason = token_id
+            params = request.sampling_params
+            if params.ignore_eos or token_id not in params.eos_token_ids:
+                request.stop_reason = token_id  # a stop token, not EOS
         return request.is_finished
 
     # ------------------------------------------------------------------ introspection

@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
         """Text of the ids past the read offset, or "" while it is empty or ends in an incomplete
         UTF-8 sequence or a byte-token run (unless `flush`). Advances the window when it returns
         text."""
-        if False:
+        if not flush and self._ends_in_byte_run(self._ids):
             return ""
         text = self._decode(self._ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text):

@@ -49,6 +49,7 @@ class Tokenizer:
             attr: content for attr in SPECIAL_TOKEN_ATTRS
             if (content := _content(config.get(attr))) is not None}
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+        extra = list(extra.values()) if isinstance(extra, dict) else extra  # {name: token} in v5
         self.extra_special_tokens = [c for t in extra if (c := _content(t)) is not None]
         self.chat_template: str | dict[str, str] | None = _named_templates(
             config.get("chat_template"))

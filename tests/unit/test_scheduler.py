@@ -298,6 +298,17 @@ def test_priority_preempts_largest_priority_value_then_latest_arrival() -> None:
         assert runner.streamed[req_id] == [100 + p for p in range(start, start + 8)]
 
 
+def test_priority_tie_preempts_the_request_admitted_last() -> None:
+    scheduler = make_scheduler(num_blocks=4, max_model_len=16, policy="priority")
+    runner = make_runner(scheduler, make_request("first", tokens(1, 4), max_tokens=7),
+                         make_request("second", tokens(50, 4), max_tokens=7))  # same key
+    for _ in range(5):
+        runner.step()
+    output, _ = runner.step()  # first needs a 3rd block at position 8
+    assert output.preempted_req_ids == {"second"} and output.num_scheduled_tokens == {"first": 1}
+    assert_finished_cleanly(runner)
+
+
 def test_priority_preemption_never_drops_a_request_already_scheduled_this_step() -> None:
     # "low" is admitted first and so runs ahead of "high" in the batch. Were "low" scheduled
     # (registering block 3 of its chunk 12..17 in the prefix cache) and then preempted for
@@ -318,7 +329,7 @@ def test_priority_preemption_never_drops_a_request_already_scheduled_this_step()
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted() -> None:
     scheduler = make_scheduler(num_blocks=4, max_model_len=16, policy="priority")
     runner = make_runner(scheduler, make_request("a", tokens(1, 4), arrival=0, max_tokens=10),
-                         make_request("b", tokens(50, 4), arrival=1, priority=1, max_tokens=4))
+                         make_request("b", tokens(50, 4), arrival=1, priority=1, max_tokens=10))
     runner.step()
     runner.step()  # a and b hold two blocks each
     scheduler.add_request(make_request("c", tokens(90, 2), arrival=2, max_tokens=1))

@@ -1,0 +1,191 @@
+"""Random workloads under memory pressure: the scheduler always drains, and recompute is exact.
+
+Hypothesis draws a configuration (policy, block size, a cache a few blocks above one request of
+`max_model_len`, token budget, `max_num_seqs`, chunk threshold, prefix caching on or off) and a
+workload (arrivals over time, prompts sharing prefixes so the cache hits, max/min tokens,
+ignore_eos, stop tokens, priorities, salts, aborts). `FakeRunner` checks every step: invariants,
+budget and sequence limits, block coverage, and the K/V each request would attend to.
+
+At the end every request has finished, every block is free, and each request streamed exactly
+the tokens it streams when run alone with plenty of memory: the fake model samples
+`fake_token(req_id, position)`, so preemption and recompute must not change a single token.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from fake_runner import FakeRunner, fake_token
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aserve.config import CacheConfig, SchedulerConfig
+from aserve.core.request import Request
+from aserve.core.scheduler import Scheduler
+from aserve.sampling_params import SamplingParams
+
+VOCAB = 12  # small, so EOS (0) and stop tokens come up often
+EOS = 0
+MAX_STEPS = 3000
+
+
+def model(req_id: str, position: int) -> int:
+    return fake_token(req_id, position, VOCAB)
+
+
+@dataclass(frozen=True)
+class Spec:
+    req_id: str
+    prompt: tuple[int, ...]
+    arrival_step: int
+    priority: int
+    max_tokens: int | None
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    cache_salt: str | None
+    abort_step: int | None
+
+    def make_request(self) -> Request:
+        params = SamplingParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens,
+                                ignore_eos=self.ignore_eos,
+                                stop_token_ids=list(self.stop_token_ids))
+        params.eos_token_ids = (EOS,)
+        return Request(self.req_id, list(self.prompt), params, arrival_time=float(self.arrival_step),
+                       priority=self.priority, cache_salt=self.cache_salt)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    specs: tuple[Spec, ...]
+
+
+def expected_output(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
+    """The oracle: the tokens and finish reason the stop rules of DESIGN.md §3 give."""
+    stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {EOS})
+    max_tokens = spec.max_tokens or 1 << 62
+    out: list[int] = []
+    while True:
+        out.append(model(spec.req_id, len(spec.prompt) + len(out)))
+        if len(out) >= max_tokens or len(spec.prompt) + len(out) >= max_model_len:
+            return out, "length"
+        if len(out) >= spec.min_tokens and out[-1] in stop_ids:
+            return out, "stop"
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    max_model_len = draw(st.integers(4, 24))
+    num_blocks = -(-max_model_len // block_size) + draw(st.integers(0, 3))
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=draw(st.integers(1, 5)),
+        max_num_batched_tokens=draw(st.integers(1, 20)),
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 5])),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+    )
+    cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                               enable_prefix_caching=draw(st.sampled_from([True, True, False])))
+    token = st.integers(0, VOCAB - 1)
+    prefixes = [draw(st.lists(token, max_size=max_model_len)) for _ in range(2)]
+    specs = []
+    for i in range(draw(st.integers(1, 8))):
+        prefix = prefixes[draw(st.integers(0, 1))][:draw(st.integers(0, max_model_len))]
+        prompt = (prefix + draw(st.lists(token, max_size=6)))[:max_model_len - 1] or [1]
+        max_tokens = draw(st.one_of(st.none(), st.integers(1, 10)))
+        specs.append(Spec(
+            req_id=f"r{i}",
+            prompt=tuple(prompt),
+            arrival_step=draw(st.integers(0, 8)),
+            priority=draw(st.integers(0, 2)),
+            max_tokens=max_tokens,
+            min_tokens=draw(st.integers(0, max_tokens or 4)),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=tuple(draw(st.lists(token, max_size=2))),
+            cache_salt=draw(st.sampled_from([None, None, "salt"])),
+            abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 20))),
+        ))
+    return Scenario(scheduler_config, cache_config, tuple(specs))
+
+
+def run(scenario: Scenario, specs: tuple[Spec, ...]) -> tuple[FakeRunner, set[str]]:
+    """Drive `specs` to the end; return the runner and the ids actually aborted."""
+    scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config)
+    runner = FakeRunner(scheduler, model)
+    aborted: set[str] = set()
+    last_event = max(max(s.arrival_step, s.abort_step or 0) for s in specs)
+    for step in range(MAX_STEPS):
+        for spec in specs:
+            if spec.arrival_step == step:
+                scheduler.add_request(spec.make_request())
+            if spec.abort_step == step:
+                aborted.update(r.request_id for r in scheduler.finish_requests([spec.req_id]))
+        scheduler.check_invariants()
+        if step > last_event and not scheduler.has_unfinished_requests():
+            break
+        runner.step()
+    else:
+        raise AssertionError(f"not drained after {MAX_STEPS} steps: {scheduler.requests}")
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert pool.num_free_blocks == pool.num_blocks and not scheduler.requests
+    final, _ = runner.step()
+    assert final.is_empty and not runner.states  # the runner was told to drop every request
+    return runner, aborted
+
+
+def check_scenario(scenario: Scenario) -> int:
+    """Run the scenario; compare with each request run alone and with the oracle."""
+    runner, aborted = run(scenario, scenario.specs)
+    max_model_len = scenario.scheduler_config.max_model_len
+    for spec in scenario.specs:
+        alone = Scenario(scenario.scheduler_config, scenario.cache_config, ())
+        solo_spec = Spec(**{**spec.__dict__, "arrival_step": 0, "abort_step": None})
+        solo, _ = run(alone, (solo_spec,))
+        expected_tokens, expected_reason = expected_output(spec, max_model_len)
+        assert solo.streamed[spec.req_id] == expected_tokens
+        assert solo.finish_reasons[spec.req_id] == expected_reason
+        streamed = runner.streamed.get(spec.req_id, [])
+        if spec.req_id in aborted:
+            assert streamed == expected_tokens[:len(streamed)]
+            assert spec.req_id not in runner.finish_reasons
+        else:
+            assert streamed == expected_tokens, f"{spec.req_id} changed under pressure"
+            assert runner.finish_reasons[spec.req_id] == expected_reason
+    return runner.scheduler.num_preemptions
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_drain_and_match_running_alone(scenario: Scenario) -> None:
+    check_scenario(scenario)
+
+
+def test_seeded_heavy_workloads_preempt_and_still_match() -> None:
+    """Fixed, denser workloads, so preemption with prefix hits is exercised on every run."""
+    rng = random.Random(0)
+    num_preemptions = 0
+    for trial in range(12):
+        block_size = rng.choice([2, 4])
+        max_model_len = 24
+        shared = [rng.randrange(1, VOCAB) for _ in range(16)]
+        specs = tuple(Spec(
+            req_id=f"t{trial}-{i}",
+            prompt=tuple(shared[:rng.randrange(0, 16)] + [rng.randrange(VOCAB)
+                                                         for _ in range(rng.randrange(1, 6))]),
+            arrival_step=rng.randrange(4), priority=rng.randrange(3),
+            max_tokens=rng.randrange(4, 12), min_tokens=0, ignore_eos=True, stop_token_ids=(),
+            cache_salt=None, abort_step=None) for i in range(6))
+        scenario = Scenario(
+            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=rng.choice([6, 16]),
+                            max_model_len=max_model_len,
+                            long_prefill_token_threshold=rng.choice([0, 4]),
+                            policy=("fcfs", "priority")[trial % 2]),
+            CacheConfig(block_size=block_size, num_blocks=max_model_len // block_size + 1),
+            specs)
+        num_preemptions += check_scenario(scenario)
+    assert num_preemptions >= 12
