@@ -7,8 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from tests.hf_models import make_hf_model
+from hf_models import make_hf_model
 
 
 @pytest.fixture(scope="session")

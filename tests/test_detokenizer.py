@@ -7,16 +7,12 @@ from __future__ import annotations
 import json
 import pathlib
 import random
-import sys
 
 import pytest
+from hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-from hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus  # noqa: E402
-
-from aserve.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from aserve.engine.tokenizer import Tokenizer  # noqa: E402
+from aserve.engine.detokenizer import IncrementalDetokenizer
+from aserve.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world. The quick brown fox jumps over the lazy dog.",

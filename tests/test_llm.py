@@ -138,3 +138,11 @@ def test_cli_generates_offline(model_dir_factory):
         capture_output=True, text=True, timeout=120, check=True)
     line = json.loads(result.stdout.strip().splitlines()[-1])
     assert line["prompt"] == "Hello" and len(line["token_ids"]) == 6
+
+
+def test_n_completions_share_the_prompt_blocks(model_dir_factory):
+    llm = LLM(model_dir_factory("llama"), dtype="float32", block_size=16)
+    prompt = {"prompt_token_ids": list(range(3, 67))}  # 64 tokens: 3 full blocks reusable
+    llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=4))
+    # children 2..4 find the first child's 3 full prompt blocks (the last block is recomputed)
+    assert llm.stats().prefix_cache_hits == 3 * 48

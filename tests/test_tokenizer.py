@@ -7,16 +7,12 @@ import json
 import pathlib
 import random
 import shutil
-import sys
 
 import jinja2
 import pytest
+from hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-
-from hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer  # noqa: E402
-
-from aserve.engine.tokenizer import Tokenizer  # noqa: E402
+from aserve.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,6 +19,7 @@ from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -41,6 +42,8 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests the runner still holds but must drop: finished or aborted since last step.
         self.finished_req_ids: set[str] = set()
+        # Per request asking for prompt logprobs: prompt positions whose rows went out already.
+        self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self._last_output: SchedulerOutput | None = None
 
@@ -72,6 +75,7 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+        self.num_prompt_logprobs_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
 
     @property
@@ -203,6 +207,9 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            if prompt_logprobs is not None:
+                prompt_logprobs = self._drop_resent_prompt_logprobs(
+                    request, prompt_logprobs, scheduler_output.num_scheduled_tokens[req_id])
             if token_id is None:
                 if prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(req_id, [], None, prompt_logprobs))
@@ -215,6 +222,19 @@ class Scheduler:
                 req_id, [token_id], runner_output.logprobs.get(req_id), prompt_logprobs,
                 request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
         return outputs
+
+    def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
+                                     num_scheduled: int) -> LogprobsLists | None:
+        """Drop rows sent before a preemption: a resumed request recomputes its prompt."""
+        start = request.num_computed_tokens - num_scheduled  # row i is prompt position start + i
+        num_sent = self.num_prompt_logprobs_sent.get(request.request_id, 0)
+        self.num_prompt_logprobs_sent[request.request_id] = max(num_sent, start + len(rows.ranks))
+        skip = max(0, num_sent - start)
+        if skip == 0:
+            return rows
+        if skip >= len(rows.ranks):
+            return None
+        return LogprobsLists(rows.token_ids[skip:], rows.logprobs[skip:], rows.ranks[skip:])
 
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set a finished status when `token_id` ends the request; return whether it did."""

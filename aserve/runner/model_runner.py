@@ -107,6 +107,8 @@ class ModelRunner:
             slot_mapping=self._tensor(inputs.slot_mapping),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
+            query_start_loc_cpu=inputs.query_start_loc.tolist(),
+            seq_lens_cpu=inputs.seq_lens.tolist(),
         )
 
     def _prompt_logprobs(self, states: list[CachedRequestState], num_scheduled: list[int],

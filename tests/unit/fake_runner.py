@@ -4,7 +4,9 @@
 copy of each request's token ids and block table, built only from `NewRequestData` and
 `CachedRequestData`; it "computes" a scheduled token by writing its id into a slot → token dict;
 and it samples `token_fn(req_id, position)` when a request's whole sequence is computed (partial
-prefill chunks sample nothing). On every step it checks what a real runner silently relies on:
+prefill chunks sample nothing), plus one prompt-logprobs row per prompt position it computes for
+requests that ask (the row's token is the next prompt token). On every step it checks what a
+real runner silently relies on:
 
 - the schedule respects the token budget, `max_num_seqs` and the long-prefill threshold, and its
   batch order is cached (running) requests first, then new ones;
@@ -23,9 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aserve.core.hashing import hash_block_tokens
-from aserve.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from aserve.core.outputs import (
+    EngineCoreOutput,
+    LogprobsLists,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from aserve.core.request import RequestStatus
 from aserve.core.scheduler import Scheduler
+from aserve.sampling_params import SamplingParams
 
 TokenFn = Callable[[str, int], int]
 
@@ -39,6 +47,8 @@ def fake_token(req_id: str, position: int, vocab_size: int = 1000) -> int:
 @dataclass
 class _RunnerState:
     tokens: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     cache_salt: str | None
@@ -55,6 +65,7 @@ class FakeRunner:
         self.slots: dict[int, int] = {}  # slot → the token id whose K/V it holds
         self.block_content: dict[int, bytes] = {}  # block id → chained hash of what it holds
         self.streamed: dict[str, list[int]] = {}  # req id → tokens from EngineCoreOutputs
+        self.streamed_prompt_logprobs: dict[str, list[int]] = {}  # req id → rows' tokens
         self.finish_reasons: dict[str, str] = {}
         self.stop_reasons: dict[str, int | str | None] = {}
         self.num_steps = 0
@@ -71,6 +82,9 @@ class FakeRunner:
         scheduler.check_invariants()
         for out in outputs:
             self.streamed.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.new_prompt_logprobs is not None:
+                rows = self.streamed_prompt_logprobs.setdefault(out.req_id, [])
+                rows.extend(row[0] for row in out.new_prompt_logprobs.token_ids)
             if out.finished:
                 self.finish_reasons[out.req_id] = out.finish_reason
                 self.stop_reasons[out.req_id] = out.stop_reason
@@ -119,8 +133,11 @@ class FakeRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(output)
         req_ids = list(output.num_scheduled_tokens)
+        prompt_logprobs = {}
         for req_id in req_ids:
-            self._compute(req_id, output.num_scheduled_tokens[req_id])
+            rows = self._compute(req_id, output.num_scheduled_tokens[req_id])
+            if rows is not None:
+                prompt_logprobs[req_id] = rows
         for req_id in req_ids:  # all writes land before any read, as layer by layer on a GPU
             self._check_reads(req_id)
         self.check_prefix_cache_content()
@@ -132,7 +149,7 @@ class FakeRunner:
                 token_id = self.token_fn(req_id, len(state.tokens))
                 state.tokens.append(token_id)
             sampled.append(token_id)
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
+        return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs)
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for req_id in output.finished_req_ids | output.preempted_req_ids:
@@ -141,14 +158,15 @@ class FakeRunner:
             assert new.req_id not in self.states, f"{new.req_id} sent whole twice"
             salt = self.scheduler.requests[new.req_id].cache_salt
             self.states[new.req_id] = _RunnerState(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens, salt)
+                new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                new.sampling_params, list(new.block_ids), new.num_computed_tokens, salt)
         for cached in output.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
             state.block_ids.extend(cached.new_block_ids)
 
-    def _compute(self, req_id: str, num_tokens: int) -> None:
+    def _compute(self, req_id: str, num_tokens: int) -> LogprobsLists | None:
+        """Write the K/V of the scheduled tokens; return the prompt-logprobs rows they give."""
         state, request = self.states[req_id], self.scheduler.requests[req_id]
         assert state.tokens == request.all_token_ids, f"runner and scheduler disagree on {req_id}"
         assert state.block_ids == self.scheduler.kv_cache_manager.get_block_ids(req_id)
@@ -167,6 +185,13 @@ class FakeRunner:
             parent = hash_block_tokens(parent, state.tokens[index * size:(index + 1) * size], extra)
             if index >= start // size:
                 self.block_content[state.block_ids[index]] = parent
+        if state.sampling_params.prompt_logprobs is None:
+            return None
+        positions = range(start, min(end, state.num_prompt_tokens - 1))
+        if not positions:
+            return None
+        return LogprobsLists([[state.tokens[p + 1]] for p in positions],
+                             [[-float(p)] for p in positions], [1] * len(positions))
 
     def _check_reads(self, req_id: str) -> None:
         state, size = self.states[req_id], self.block_size

@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops, aborts, admission order.
+"""Scheduler: budget, chunked prefill, prefix hits, preemption, stops, aborts, admission order.
 
 Every test drives the scheduler through `FakeRunner` (tests/unit/fake_runner.py), which checks the
 scheduler's invariants, the per-step limits and the K/V every request would read after each step.
@@ -237,7 +237,8 @@ def test_fcfs_preempts_the_latest_running_request_and_resumes_it_with_its_output
         runner.step()
     b = scheduler.requests["b"]
     b_outputs = list(b.output_token_ids)
-    assert b_outputs == [104, 105, 106, 107, 108] and scheduler.kv_cache_manager.num_free_blocks == 0
+    assert b_outputs == [104, 105, 106, 107, 108]
+    assert scheduler.kv_cache_manager.num_free_blocks == 0
 
     output, _ = runner.step()  # a needs block 3 for position 8: b goes
     assert output.num_scheduled_tokens == {"a": 1}
@@ -324,6 +325,24 @@ def test_priority_preemption_never_drops_a_request_already_scheduled_this_step()
     assert output.preempted_req_ids == {"low"}
     assert_finished_cleanly(runner)
     assert runner.streamed["low"] == [118, 119]
+
+
+def test_prompt_logprobs_are_sent_once_across_preemptions() -> None:
+    # b asks for prompt logprobs, so it gets no prefix hits: each resumption recomputes its
+    # prompt from position 0, and the runner sends those rows again.
+    scheduler = make_scheduler(num_blocks=4, max_model_len=16, threshold=3)
+    runner = make_runner(scheduler, make_request("a", tokens(1, 4), arrival=0, max_tokens=8),
+                         make_request("b", tokens(50, 12), arrival=1, max_tokens=2,
+                                      prompt_logprobs=0))
+    runner.step()
+    runner.step()
+    output, _ = runner.step()
+    assert output.preempted_req_ids == {"b"}  # in mid-prefill, six rows sent
+    assert runner.streamed_prompt_logprobs["b"] == tokens(51, 6)
+    assert_finished_cleanly(runner)
+    assert scheduler.make_stats().num_preemptions >= 2
+    assert runner.streamed_prompt_logprobs["b"] == tokens(51, 11)
+    assert runner.streamed["b"] == [112, 113]
 
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted() -> None:

@@ -46,14 +46,17 @@ class Spec:
     stop_token_ids: tuple[int, ...]
     cache_salt: str | None
     abort_step: int | None
+    prompt_logprobs: int | None = None
 
     def make_request(self) -> Request:
         params = SamplingParams(max_tokens=self.max_tokens, min_tokens=self.min_tokens,
                                 ignore_eos=self.ignore_eos,
-                                stop_token_ids=list(self.stop_token_ids))
+                                stop_token_ids=list(self.stop_token_ids),
+                                prompt_logprobs=self.prompt_logprobs)
         params.eos_token_ids = (EOS,)
-        return Request(self.req_id, list(self.prompt), params, arrival_time=float(self.arrival_step),
-                       priority=self.priority, cache_salt=self.cache_salt)
+        return Request(self.req_id, list(self.prompt), params,
+                       arrival_time=float(self.arrival_step), priority=self.priority,
+                       cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             stop_token_ids=tuple(draw(st.lists(token, max_size=2))),
             cache_salt=draw(st.sampled_from([None, None, "salt"])),
             abort_step=draw(st.one_of(st.none(), st.none(), st.integers(0, 20))),
+            prompt_logprobs=draw(st.sampled_from([None, None, None, 0, 2])),
         ))
     return Scenario(scheduler_config, cache_config, tuple(specs))
 
@@ -150,6 +154,13 @@ def check_scenario(scenario: Scenario) -> int:
         assert solo.streamed[spec.req_id] == expected_tokens
         assert solo.finish_reasons[spec.req_id] == expected_reason
         streamed = runner.streamed.get(spec.req_id, [])
+        prompt_rows = runner.streamed_prompt_logprobs.get(spec.req_id, [])
+        if spec.prompt_logprobs is None:
+            assert not prompt_rows
+        elif spec.req_id not in aborted:
+            assert prompt_rows == list(spec.prompt[1:]), "prompt logprobs lost or repeated"
+        else:
+            assert prompt_rows == list(spec.prompt[1:1 + len(prompt_rows)])
         if spec.req_id in aborted:
             assert streamed == expected_tokens[:len(streamed)]
             assert spec.req_id not in runner.finish_reasons
@@ -159,33 +170,37 @@ def check_scenario(scenario: Scenario) -> int:
     return runner.scheduler.num_preemptions
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_random_workloads_drain_and_match_running_alone(scenario: Scenario) -> None:
     check_scenario(scenario)
 
 
-def test_seeded_heavy_workloads_preempt_and_still_match() -> None:
-    """Fixed, denser workloads, so preemption with prefix hits is exercised on every run."""
+def inverted_priority_workload(rng: random.Random, trial: int, policy: str) -> Scenario:
+    """A long, least urgent prompt arrives first and is prefilled in small chunks; short, more
+    urgent requests sharing its prefix arrive next and decode beside it in a nearly full cache."""
+    block_size, max_model_len = rng.choice([1, 2, 4]), 24
+    shared = [rng.randrange(1, VOCAB) for _ in range(20)]
+    specs = [Spec(f"t{trial}-long", tuple(shared[:rng.randrange(12, 20)]), 0, 9,
+                  rng.randrange(2, 5), 0, True, (), None, None)]
+    for i in range(4):
+        prompt = shared[:rng.randrange(0, 8)] + [rng.randrange(VOCAB)
+                                                 for _ in range(rng.randrange(1, 4))]
+        specs.append(Spec(f"t{trial}-{i}", tuple(prompt), rng.randrange(1, 4), rng.randrange(3),
+                          rng.randrange(4, 12), 0, True, (), None, None))
+    return Scenario(
+        SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, max_model_len=max_model_len,
+                        long_prefill_token_threshold=3, policy=policy),
+        CacheConfig(block_size=block_size,
+                    num_blocks=max_model_len // block_size + rng.choice([0, 1, 2])),
+        tuple(specs))
+
+
+def test_seeded_inverted_priority_workloads_preempt_and_still_match() -> None:
+    """Fixed workloads that preempt on every run, often a less urgent request in mid-prefill."""
     rng = random.Random(0)
     num_preemptions = 0
-    for trial in range(12):
-        block_size = rng.choice([2, 4])
-        max_model_len = 24
-        shared = [rng.randrange(1, VOCAB) for _ in range(16)]
-        specs = tuple(Spec(
-            req_id=f"t{trial}-{i}",
-            prompt=tuple(shared[:rng.randrange(0, 16)] + [rng.randrange(VOCAB)
-                                                         for _ in range(rng.randrange(1, 6))]),
-            arrival_step=rng.randrange(4), priority=rng.randrange(3),
-            max_tokens=rng.randrange(4, 12), min_tokens=0, ignore_eos=True, stop_token_ids=(),
-            cache_salt=None, abort_step=None) for i in range(6))
-        scenario = Scenario(
-            SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=rng.choice([6, 16]),
-                            max_model_len=max_model_len,
-                            long_prefill_token_threshold=rng.choice([0, 4]),
-                            policy=("fcfs", "priority")[trial % 2]),
-            CacheConfig(block_size=block_size, num_blocks=max_model_len // block_size + 1),
-            specs)
-        num_preemptions += check_scenario(scenario)
-    assert num_preemptions >= 12
+    for trial in range(40):
+        policy = ("priority", "fcfs")[trial % 4 == 3]
+        num_preemptions += check_scenario(inverted_priority_workload(rng, trial, policy))
+    assert num_preemptions >= 40
