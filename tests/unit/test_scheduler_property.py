@@ -7,8 +7,9 @@ ignore_eos, stop tokens, priorities, salts, aborts). `FakeRunner` checks every s
 budget and sequence limits, block coverage, and the K/V each request would attend to.
 
 At the end every request has finished, every block is free, and each request streamed exactly
-the tokens it streams when run alone with plenty of memory: the fake model samples
-`fake_token(req_id, position)`, so preemption and recompute must not change a single token.
+the tokens it streams when run alone (and that an oracle of the stop rules predicts), and its
+prompt logprobs once each: the fake model samples `fake_token(req_id, position)`, so
+preemption and recompute must not change a single token.
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ def check_scenario(scenario: Scenario) -> int:
     """Run the scenario; compare with each request run alone and with the oracle."""
     runner, aborted = run(scenario, scenario.specs)
     max_model_len = scenario.scheduler_config.max_model_len
+    alone = Scenario(scenario.scheduler_config, scenario.cache_config, ())
     for spec in scenario.specs:
-        alone = Scenario(scenario.scheduler_config, scenario.cache_config, ())
         solo_spec = Spec(**{**spec.__dict__, "arrival_step": 0, "abort_step": None})
         solo, _ = run(alone, (solo_spec,))
         expected_tokens, expected_reason = expected_output(spec, max_model_len)
