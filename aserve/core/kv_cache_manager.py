@@ -50,7 +50,8 @@ class KVCacheManager:
         """The longest cached prefix of the request's full blocks, and the tokens it covers.
 
         At least one token is always left to compute (the model must produce logits for it).
-        The blocks are not referenced here: pass them to `allocate_slots`, which takes them.
+        The blocks are not referenced here: pass them to `allocate_slots`, which takes them
+        (and counts the lookup in the hit-rate stats, once per admission, not per retry).
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
@@ -62,10 +63,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed_tokens = len(blocks) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_computed_tokens
-        return blocks, num_computed_tokens
+        return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
         self,
@@ -87,6 +85,8 @@ class KVCacheManager:
         num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.num_free_blocks - num_evictable_computed:
             return None
+        if request.request_id not in self.req_to_blocks:
+            self._count_lookup(request, num_new_computed_tokens)
         self.block_pool.touch(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -95,6 +95,11 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_tokens)
         return [b.block_id for b in new_blocks]
+
+    def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock],
                            num_tokens: int) -> None:

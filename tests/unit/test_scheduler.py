@@ -174,6 +174,20 @@ def test_same_prompt_hits_the_cached_full_blocks_and_counts_stats() -> None:
     assert runner.streamed["a"] == runner.streamed["b"] == [110, 111, 112]
 
 
+def test_a_blocked_waiting_request_counts_its_prefix_lookup_once() -> None:
+    scheduler = make_scheduler(num_blocks=4, max_model_len=16)
+    runner = make_runner(scheduler, make_request("a", tokens(1, 8), max_tokens=8))
+    runner.step()  # a holds 2 of the 4 blocks and will need a third
+    # b shares a's first block and needs two more: it waits while a grows to 4 blocks
+    scheduler.add_request(make_request("b", tokens(1, 4) + tokens(60, 8), max_tokens=1))
+    for _ in range(3):
+        assert not runner.step()[0].scheduled_new_reqs
+    assert_finished_cleanly(runner)
+    stats = scheduler.make_stats()
+    # a: 8 tokens looked up, 0 found; b: 12 looked up once, its first block (of a's) found
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (8 + 12, 4)
+
+
 def test_cached_blocks_outlive_their_request_and_are_reused() -> None:
     scheduler = make_scheduler()
     runner = make_runner(scheduler, make_request("a", tokens(1, 9), max_tokens=1))
