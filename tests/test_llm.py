@@ -104,6 +104,10 @@ def test_bad_requests_raise_and_the_engine_keeps_serving(llm):
         llm.generate([{"prompt_token_ids": [5] * 300}], ok)
     with pytest.raises(ValueError, match="out of vocabulary"):
         llm.generate(["Hello", {"prompt_token_ids": [5, 10**6]}], ok)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(["Hello"], SamplingParams(logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match="top_k"):
+        llm.generate(["Hello"], SamplingParams(top_k=10**6))
     with pytest.raises(ValueError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], ok)
     with pytest.raises(ValueError, match="temperature"):

@@ -68,6 +68,11 @@ class Processor:
         """A copy of `params` checked against the model and given its EOS token ids."""
         if params.logit_bias:
             self.check_token_ids(params.logit_bias, "logit_bias")
+        if params.stop_token_ids:
+            self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.top_k > self.model_info.vocab_size:
+            raise ValueError(f"top_k must not exceed the vocabulary size "
+                             f"({self.model_info.vocab_size}), got {params.top_k}.")
         params = copy.copy(params)
         params.eos_token_ids = self.model_info.eos_token_ids
         return params
