@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 
 from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.core import EngineCore
-from aserve.engine.output_processor import OutputProcessor, ParentRequest
+from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from aserve.engine.tokenizer import Tokenizer
@@ -75,18 +74,10 @@ class LLM:
     def _add_request(self, prompt: ProcessedPrompt, params: SamplingParams,
                      priority: int) -> str:
         request_id = str(next(self._request_counter))
-        child_ids = [request_id] if params.n == 1 else [
-            f"{i}_{request_id}" for i in range(params.n)]
-        parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
-                               completions=[None] * params.n)
-        self.output_processor.add_request(parent, child_ids)
-        for index, child_id in enumerate(child_ids):
-            child_params = params
-            if params.n > 1:
-                seed = None if params.seed is None else params.seed + index
-                child_params = replace(params, n=1, seed=seed)
-            self.engine_core.add_request(
-                self.processor.make_request(child_id, prompt, child_params, priority=priority))
+        parent, requests = self.processor.make_requests(request_id, prompt, params, priority)
+        self.output_processor.add_request(parent, [r.request_id for r in requests])
+        for request in requests:
+            self.engine_core.add_request(request)
         return request_id
 
     def _run_engine(self) -> list[RequestOutput]:

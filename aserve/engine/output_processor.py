@@ -3,6 +3,11 @@
 It runs on the frontend side: incremental detokenization, stop strings (a match finishes the
 request here and asks the engine to abort it), logprobs with decoded tokens, and the fan-in of
 the `n` child requests of one user request.
+
+A parent is either final-only (the offline `LLM`: one `RequestOutput` when every completion has
+finished, text and tokens whole) or streaming (`stream=True`: a `RequestOutput` per update of a
+completion, carrying only what is new since the last one — the delta text, token ids and
+logprobs — and the prompt logprobs once, in the first).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ class ParentRequest:
     completions: list[CompletionOutput | None]
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    stream: bool = False
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -41,6 +48,7 @@ class ChildState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
+    num_sent_tokens: int = 0
 
 
 class OutputProcessor:
@@ -68,9 +76,10 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
-        """Return the user requests that finished, and the child ids to abort in the engine
-        (their stop string matched here)."""
-        finished: list[RequestOutput] = []
+        """Return the `RequestOutput`s to hand out (streaming parents: one per update; others:
+        one when finished), and the child ids to abort in the engine (their stop string matched
+        here)."""
+        ready: list[RequestOutput] = []
         to_abort: list[str] = []
         for output in outputs:
             child = self.children.get(output.req_id)
@@ -79,14 +88,29 @@ class OutputProcessor:
             stop_str = self._process_one(child, output)
             if stop_str is not None:
                 to_abort.append(output.req_id)
-            completion = child.parent.completions[child.index]
+            parent = child.parent
+            completion = parent.completions[child.index]
             if completion is not None and completion.finished():
                 del self.children[output.req_id]
-                parent = child.parent
                 if parent.finished:
                     del self.parents[parent.request_id]
-                    finished.append(self._request_output(parent))
-        return finished, to_abort
+            if parent.stream:
+                delta = self._delta_output(child)
+                if delta is not None:
+                    ready.append(delta)
+            elif parent.finished:
+                ready.append(self._request_output(parent))
+        return ready, to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a parent (its client went away); return its unfinished child ids."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        child_ids = [cid for cid, c in self.children.items() if c.parent is parent]
+        for child_id in child_ids:
+            del self.children[child_id]
+        return child_ids
 
     def _process_one(self, child: ChildState, output: EngineCoreOutput) -> str | None:
         parent = child.parent
@@ -129,6 +153,28 @@ class OutputProcessor:
 
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _delta_output(self, child: ChildState) -> RequestOutput | None:
+        """What is new in one completion of a streaming parent, or None if nothing is."""
+        parent = child.parent
+        completion = parent.completions[child.index]
+        finished = completion.finished()
+        text = child.detokenizer.get_next_output_text(finished, delta=True)
+        start = child.num_sent_tokens
+        new_ids = completion.token_ids[start:]
+        if not text and not new_ids and not finished:
+            return None
+        child.num_sent_tokens = len(completion.token_ids)
+        prompt_logprobs = None
+        if not parent.prompt_logprobs_sent:
+            prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+        delta = CompletionOutput(
+            index=child.index, text=text, token_ids=list(new_ids),
+            cumulative_logprob=completion.cumulative_logprob,
+            logprobs=completion.logprobs[start:] if completion.logprobs is not None else None,
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                             prompt_logprobs, [delta], parent.finished, parent.num_cached_tokens)
 
     def _request_output(self, parent: ParentRequest) -> RequestOutput:
         return RequestOutput(

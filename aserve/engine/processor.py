@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aserve.config import ModelInfo
 from aserve.core.request import Request
+from aserve.engine.output_processor import ParentRequest
 from aserve.engine.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
 
@@ -77,6 +78,19 @@ class Processor:
         params.eos_token_ids = self.model_info.eos_token_ids
         return params
 
-    def make_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                     arrival_time: float | None = None, priority: int = 0) -> Request:
-        return Request(request_id, prompt.prompt_token_ids, params, arrival_time, priority)
+    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                      priority: int = 0, stream: bool = False
+                      ) -> tuple[ParentRequest, list[Request]]:
+        """The user request, and the engine requests that generate it: one, or `n` children
+        (ids `"{i}_{request_id}"`, seeds `seed + i`) that share the prompt's cached blocks."""
+        parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
+                               completions=[None] * params.n, stream=stream)
+        if params.n == 1:
+            return parent, [Request(request_id, prompt.prompt_token_ids, params,
+                                    priority=priority)]
+        children = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            children.append(Request(f"{i}_{request_id}", prompt.prompt_token_ids,
+                                    replace(params, n=1, seed=seed), priority=priority))
+        return parent, children
