@@ -1,19 +1,35 @@
 """`EngineCore`: the scheduler loop — schedule, execute, update — over one executor.
 
-The offline `LLM` calls `step()` directly; the server (a later layer) runs the same object in its
-own thread fed by a mailbox. Requests reaching here are already validated by the frontend.
+The offline `LLM` calls `step()` directly. The server runs `run_engine_thread` in one dedicated
+thread: drain the inbox (blocking only when idle) → step → publish, until `Shutdown`. Requests
+reaching here are already validated by the frontend.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import queue
+from collections.abc import Callable, Iterable
 
 from aserve.config import ModelInfo
 from aserve.core.outputs import EngineCoreOutput, SchedulerStats
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
 from aserve.engine.arg_utils import EngineArgs
+from aserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Command,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineMessage,
+    EngineReady,
+    ResetPrefixCache,
+    Shutdown,
+)
 from aserve.executor.uniproc import UniProcExecutor
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -60,3 +76,50 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+    def run_busy_loop(self, inbox: queue.SimpleQueue[Command],
+                      publish: Callable[[EngineMessage], None]) -> None:
+        """Serve commands and step until `Shutdown`. Blocks on the inbox only when idle."""
+        while True:
+            commands = [inbox.get()] if not self.has_unfinished_requests() else []
+            while True:
+                try:
+                    commands.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            aborted: list[EngineCoreOutput] = []
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    return
+                if isinstance(command, AddRequest):
+                    self.add_request(command.request)
+                elif isinstance(command, AbortRequests):
+                    aborted += self.abort_requests(command.request_ids)
+                elif isinstance(command, ResetPrefixCache):
+                    command.reply(self.reset_prefix_cache())
+            outputs = self.step()
+            if outputs or aborted:
+                publish(EngineCoreOutputs(aborted + outputs, self.stats()))
+
+
+def run_engine_thread(args: EngineArgs, inbox: queue.SimpleQueue[Command],
+                      publish: Callable[[EngineMessage], None]) -> None:
+    """Body of the engine thread: build the engine, announce it, serve until `Shutdown`.
+
+    Any exception ends the thread with `EngineDead`, so that the frontend fails every in-flight
+    request and reports itself unhealthy instead of hanging.
+    """
+    try:
+        core = EngineCore(args)
+    except Exception as e:  # noqa: BLE001 - reported to the frontend, which re-raises it
+        logger.exception("The engine failed to start")
+        publish(EngineDead(f"The engine failed to start: {type(e).__name__}: {e}"))
+        return
+    publish(EngineReady(core.model_info, core.num_blocks))
+    try:
+        core.run_busy_loop(inbox, publish)
+    except Exception as e:  # noqa: BLE001
+        logger.exception("The engine thread failed")
+        publish(EngineDead(f"The engine failed: {type(e).__name__}: {e}"))
+    finally:
+        core.shutdown()

@@ -32,20 +32,20 @@ class Processor:
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return self._checked(ProcessedPrompt(prompt, self.tokenizer.encode(prompt)))
+            return self.check_prompt(ProcessedPrompt(prompt, self.tokenizer.encode(prompt)))
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers.")
-            return self._checked(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+            return self.check_prompt(ProcessedPrompt(prompt.get("prompt"), list(ids)))
         if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
             return self.process_prompt(prompt["prompt"])
         raise ValueError("A prompt must be a string, {'prompt': str} or "
                          "{'prompt_token_ids': [int, ...]}, got "
                          f"{type(prompt).__name__}.")
 
-    def _checked(self, processed: ProcessedPrompt) -> ProcessedPrompt:
+    def check_prompt(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("The prompt is empty: give at least one token.")

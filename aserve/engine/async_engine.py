@@ -1,0 +1,206 @@
+"""`AsyncEngine`: the asyncio side of the engine — an actor on the event loop.
+
+It tokenizes and validates (long prompts off the loop), hands requests to the engine thread
+through its inbox, and turns what the thread publishes into per-request streams of
+`RequestOutput` deltas (detokenization and stop strings happen here, on the loop). The engine
+thread never touches an asyncio object; this side never touches the scheduler.
+
+    stream = await engine.add_request(request_id, prompt, params)   # validated, or ValueError
+    async for output in stream: ...                                  # deltas until finished
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from aserve.config import ModelInfo
+from aserve.core.outputs import SchedulerStats
+from aserve.engine.arg_utils import EngineArgs
+from aserve.engine.core import run_engine_thread
+from aserve.engine.messages import (
+    AbortRequests,
+    AddRequest,
+    Command,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineMessage,
+    EngineReady,
+    ResetPrefixCache,
+    Shutdown,
+)
+from aserve.engine.output_processor import OutputProcessor
+from aserve.engine.outputs import RequestOutput
+from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
+from aserve.engine.tokenizer import Tokenizer
+from aserve.sampling_params import SamplingParams
+
+# Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
+MAX_INLINE_TOKENIZE_CHARS = 2000
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has failed; no request can be served."""
+
+
+class RequestStream:
+    """The outputs of one request, in order; iterating ends after the finished one. Leaving
+    early (or `abort()`) aborts the request in the engine so its KV blocks come back."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                item = await self.queue.get()
+                if isinstance(item, Exception):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.tokenizer = Tokenizer.from_dir(args.model_config().tokenizer_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.streams: dict[str, RequestStream] = {}
+        self.stats = SchedulerStats()
+        self.model_info: ModelInfo | None = None
+        self.processor: Processor | None = None
+        self.num_kv_blocks = 0
+        self.dead_error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start the engine thread (it loads the model) and wait until it serves."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=run_engine_thread, args=(self.args, self.inbox, self._publish),
+            name="aserve-engine", daemon=True)
+        self._thread.start()
+        await self._ready
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        self.inbox.put(Shutdown())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all("The engine has shut down.")
+
+    @property
+    def is_running(self) -> bool:
+        return self.model_info is not None and self.dead_error is None
+
+    # ------------------------------------------------------------------ messages from the thread
+
+    def _publish(self, message: EngineMessage) -> None:
+        """Called in the engine thread: hop onto the event loop."""
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_message, message)
+
+    def _on_message(self, message: EngineMessage) -> None:
+        if isinstance(message, EngineCoreOutputs):
+            self.stats = message.stats
+            ready, to_abort = self.output_processor.process_outputs(message.outputs)
+            for output in ready:
+                stream = self.streams.get(output.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(output)
+                    if output.finished:
+                        del self.streams[output.request_id]
+            if to_abort:
+                self.inbox.put(AbortRequests(tuple(to_abort)))
+        elif isinstance(message, EngineReady):
+            self.model_info = message.model_info
+            self.num_kv_blocks = message.num_kv_blocks
+            self.processor = Processor(self.tokenizer, message.model_info)
+            self._ready.set_result(None)
+        elif isinstance(message, EngineDead):
+            self.dead_error = message.error
+            self._fail_all(message.error)
+            if not self._ready.done():
+                self._ready.set_exception(EngineDeadError(message.error))
+
+    def _fail_all(self, error: str) -> None:
+        for stream in self.streams.values():
+            stream.queue.put_nowait(EngineDeadError(error))
+        self.streams.clear()
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_alive(self) -> Processor:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if self.processor is None:
+            raise EngineDeadError("The engine is not running.")
+        return self.processor
+
+    async def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+        """Tokenize (off the loop when long) and validate; raises ValueError on bad input."""
+        processor = self._check_alive()
+        if isinstance(prompt, ProcessedPrompt):
+            return processor.check_prompt(prompt)
+        if isinstance(prompt, str) and len(prompt) > MAX_INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(processor.process_prompt, prompt)
+        return processor.process_prompt(prompt)
+
+    async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
+                          params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Validate and enqueue one request; its outputs arrive as deltas on the stream."""
+        processed = await self.process_prompt(prompt)
+        processor = self._check_alive()
+        params = processor.process_params(params)
+        if request_id in self.streams:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        parent, requests = processor.make_requests(request_id, processed, params, priority,
+                                                   stream=True)
+        stream = RequestStream(self, request_id)
+        self.streams[request_id] = stream
+        self.output_processor.add_request(parent, [r.request_id for r in requests])
+        for request in requests:
+            self.inbox.put(AddRequest(request))
+        return stream
+
+    async def generate(self, request_id: str, prompt: PromptType | ProcessedPrompt,
+                       params: SamplingParams, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt, params, priority)
+        async for output in stream:
+            yield output
+
+    def abort(self, request_id: str) -> None:
+        """Abort a user request (all its completions); unknown or finished ids are ignored."""
+        self.streams.pop(request_id, None)
+        child_ids = self.output_processor.abort_request(request_id)
+        if child_ids:
+            self.inbox.put(AbortRequests(tuple(child_ids)))
+
+    async def reset_prefix_cache(self) -> bool:
+        self._check_alive()
+        future: asyncio.Future[bool] = self._loop.create_future()
+        self.inbox.put(ResetPrefixCache(
+            lambda ok: self._loop.call_soon_threadsafe(future.set_result, ok)))
+        return await future
