@@ -158,14 +158,15 @@ class AsyncEngine:
             raise EngineDeadError("The engine is not running.")
         return self.processor
 
-    async def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+    async def process_prompt(self, prompt: PromptType | ProcessedPrompt,
+                             add_special_tokens: bool = True) -> ProcessedPrompt:
         """Tokenize (off the loop when long) and validate; raises ValueError on bad input."""
         processor = self._check_alive()
         if isinstance(prompt, ProcessedPrompt):
             return processor.check_prompt(prompt)
         if isinstance(prompt, str) and len(prompt) > MAX_INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(processor.process_prompt, prompt)
-        return processor.process_prompt(prompt)
+            return await asyncio.to_thread(processor.process_prompt, prompt, add_special_tokens)
+        return processor.process_prompt(prompt, add_special_tokens)
 
     async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
                           params: SamplingParams, priority: int = 0) -> RequestStream:

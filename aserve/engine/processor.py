@@ -30,9 +30,11 @@ class Processor:
         self.tokenizer = tokenizer
         self.model_info = model_info
 
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+    def process_prompt(self, prompt: PromptType,
+                       add_special_tokens: bool = True) -> ProcessedPrompt:
         if isinstance(prompt, str):
-            return self.check_prompt(ProcessedPrompt(prompt, self.tokenizer.encode(prompt)))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            return self.check_prompt(ProcessedPrompt(prompt, ids))
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not all(
@@ -40,7 +42,7 @@ class Processor:
                 raise ValueError("prompt_token_ids must be a list of integers.")
             return self.check_prompt(ProcessedPrompt(prompt.get("prompt"), list(ids)))
         if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
-            return self.process_prompt(prompt["prompt"])
+            return self.process_prompt(prompt["prompt"], add_special_tokens)
         raise ValueError("A prompt must be a string, {'prompt': str} or "
                          "{'prompt_token_ids': [int, ...]}, got "
                          f"{type(prompt).__name__}.")

@@ -1,0 +1,134 @@
+"""`build_app`: the OpenAI-compatible Starlette app, mountable inside another service.
+
+    app = build_app(EngineArgs(model="..."))            # serve it with uvicorn, or
+    parent.mount("/llm", app)                           # mount it; see examples/
+
+The app's lifespan starts the engine thread and stops it. Starlette does not run the lifespan of
+a mounted sub-app, so a parent app enters `aserve_lifespan(app)` from its own lifespan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import aserve
+from aserve.engine.arg_utils import EngineArgs
+from aserve.engine.async_engine import AsyncEngine
+from aserve.server import routes
+from aserve.server.chat import create_chat_completion
+from aserve.server.completions import create_completion
+from aserve.server.errors import EXCEPTION_HANDLERS, error_response
+from aserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerConfig:
+    """Frontend settings that are not the engine's."""
+
+    served_model_name: str | None = None  # default: the model path
+    api_key: str | None = None
+    chat_template: str | None = None  # a template string, or a path to a file holding one
+    allowed_origins: list[str] = field(default_factory=list)  # CORS off unless given
+    max_request_body_bytes: int = 16 << 20
+
+
+class ServerState:
+    """What the routes share: the engine, the config, the metrics. Lives in `app.state.aserve`."""
+
+    def __init__(self, engine_args: EngineArgs, config: ServerConfig) -> None:
+        self.engine_args = engine_args
+        self.config = config
+        self.model_name = (config.served_model_name or engine_args.served_model_name
+                           or engine_args.model)
+        self.engine: AsyncEngine | None = None
+        self.metrics = ServerMetrics(self.model_name)
+        self.chat_template = _read_template(config.chat_template)
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None or "{" in value:
+        return value
+    with open(value, encoding="utf-8") as f:
+        return f.read()
+
+
+@contextlib.asynccontextmanager
+async def aserve_lifespan(app: Starlette) -> AsyncIterator[None]:
+    """Start the engine for the app's lifetime (use it from a parent app's lifespan too)."""
+    state: ServerState = app.state.aserve
+    engine = AsyncEngine(state.engine_args)
+    await engine.start()
+    state.engine = engine
+    state.metrics.bind_engine(engine)
+    try:
+        yield
+    finally:
+        await engine.shutdown()
+
+
+class ApiKeyMiddleware:
+    """Requests under /v1 need `Authorization: Bearer <key>`; compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(
+                scope.get("root_path", "") + "/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response("Invalid or missing API key.", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def health(request: Request) -> Response:
+    engine = request.app.state.aserve.engine
+    if engine is None or not engine.is_running:
+        reason = engine.dead_error if engine is not None else "The engine is not running."
+        return error_response(reason or "The engine is not running.", 503)
+    return Response(status_code=200)
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": aserve.__version__})
+
+
+def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> Starlette:
+    config = config or ServerConfig()
+    middleware = []
+    if config.allowed_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                                     allow_methods=["*"], allow_headers=["*"]))
+    if config.api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/version", version, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+            Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/tokenize", routes.tokenize, methods=["POST"]),
+            Route("/detokenize", routes.detokenize, methods=["POST"]),
+            Route("/v1/completions", create_completion, methods=["POST"]),
+            Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        ],
+        middleware=middleware,
+        lifespan=aserve_lifespan,
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
+    app.state.aserve = ServerState(engine_args, config)
+    return app

@@ -1,0 +1,149 @@
+"""`POST /v1/chat/completions`: messages rendered by the chat template (jinja2's sandbox), then
+generated like a completion; plain JSON or a stream of `chat.completion.chunk` deltas."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import jinja2
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from aserve.engine.outputs import RequestOutput
+from aserve.server.errors import ServerError
+from aserve.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    UsageInfo,
+    chat_logprobs,
+    chat_role_chunk,
+    make_id,
+)
+from aserve.server.serving import (
+    Generation,
+    check_model,
+    collect_or_abort,
+    merged_outputs,
+    parse_body,
+    process_prompt,
+    running_engine,
+    sampling_params_for,
+    server_state,
+    sse,
+    sse_error,
+    start_generations,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
+    template = getattr(body, "chat_template", None) or server_state(request).chat_template
+    try:
+        return engine.tokenizer.apply_chat_template(
+            body.template_messages(), add_generation_prompt=body.add_generation_prompt,
+            chat_template=template, **(body.chat_template_kwargs or {}))
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise ServerError(f"The chat template could not be applied: {e}", 400,
+                          "messages") from e
+
+
+async def create_chat_completion(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    check_model(request, body.model)
+    engine = running_engine(request)
+    prompt = await process_prompt(engine, render_chat(request, engine, body),
+                                  body.add_special_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)
+    request_id = make_id("chatcmpl")
+    generations = await start_generations(request, engine, request_id, [prompt], [params],
+                                          body.priority)
+    view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer)
+    if body.stream:
+        return StreamingResponse(view.stream(generations), media_type="text/event-stream")
+    results = await collect_or_abort(request, generations)
+    return JSONResponse(view.response(generations[0], results[0]).model_dump())
+
+
+class ChatView:
+    """Turns engine deltas into OpenAI's chat completion objects for one HTTP request."""
+
+    def __init__(self, body: ChatCompletionRequest, model: str, request_id: str,
+                 tokenizer) -> None:
+        self.body, self.model, self.request_id = body, model, request_id
+        self.tokenizer = tokenizer
+        self.n = body.n or 1
+        last = body.messages[-1]
+        # `echo`: the reply continues the last message when that is the assistant's own.
+        self.echo = last.text() if body.echo and last.role == "assistant" else ""
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def logprobs_of(self, token_ids, logprobs):
+        if not self.body.logprobs:
+            return None
+        steps = logprobs or [None] * len(token_ids)
+        return chat_logprobs(token_ids, steps, self.decode, self.body.top_logprobs or 0)
+
+    def response(self, generation: Generation,
+                 outputs: list[RequestOutput]) -> ChatCompletionResponse:
+        texts, ids = [self.echo] * self.n, [[] for _ in range(self.n)]
+        logprobs: list[list] = [[] for _ in range(self.n)]
+        reasons: list[tuple] = [(None, None)] * self.n
+        for output in outputs:
+            for delta in output.outputs:
+                k = delta.index
+                texts[k] += delta.text
+                ids[k] += delta.token_ids
+                logprobs[k] += delta.logprobs or [None] * len(delta.token_ids)
+                reasons[k] = (delta.finish_reason, delta.stop_reason)
+        choices = [
+            ChatCompletionChoice(index=k, message=ChatResponseMessage(content=texts[k]),
+                                 logprobs=self.logprobs_of(ids[k], logprobs[k]),
+                                 finish_reason=reasons[k][0], stop_reason=reasons[k][1])
+            for k in range(self.n)
+        ]
+        prompt_logprobs = (outputs[0].prompt_logprobs
+                           if self.body.prompt_logprobs is not None else None)
+        usage = UsageInfo.of(len(generation.prompt.prompt_token_ids), sum(map(len, ids)))
+        return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
+                                      usage=usage, prompt_logprobs=prompt_logprobs)
+
+    async def stream(self, generations: list[Generation]) -> AsyncIterator[str]:
+        created = ChatCompletionStreamResponse(model=self.model, choices=[]).created
+        num_prompt = len(generations[0].prompt.prompt_token_ids)
+        num_generated = 0
+        try:
+            for k in range(self.n):
+                yield sse(chat_role_chunk(self.request_id, self.model, created, k))
+            echoed: set[int] = set()
+            async for _, output in merged_outputs(generations):
+                for delta in output.outputs:
+                    text = delta.text
+                    if delta.index not in echoed:
+                        echoed.add(delta.index)
+                        text = self.echo + text
+                    num_generated += len(delta.token_ids)
+                    usage = (UsageInfo.of(num_prompt, num_generated)
+                             if self.body.continuous_usage_stats else None)
+                    choice = ChatCompletionStreamChoice(
+                        index=delta.index, delta=DeltaMessage(content=text),
+                        logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
+                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    yield sse(ChatCompletionStreamResponse(
+                        id=self.request_id, created=created, model=self.model,
+                        choices=[choice], usage=usage))
+            if self.body.include_usage:
+                yield sse(ChatCompletionStreamResponse(
+                    id=self.request_id, created=created, model=self.model, choices=[],
+                    usage=UsageInfo.of(num_prompt, num_generated)))
+        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
+            yield sse_error(e)
+        yield DONE

@@ -1,0 +1,564 @@
+"""The OpenAI wire protocol: request and response models of `/v1/completions`,
+`/v1/chat/completions`, `/v1/models`, `/tokenize` and `/detokenize`.
+
+Requests are checked here — types (strictly: `"ten"` is not a number), ranges, features we do not
+support — so a route gets either a well-formed request or a `pydantic.ValidationError` to answer
+with 400; `to_sampling_params` then maps one onto `SamplingParams`. Unknown fields are ignored, as
+OpenAI's SDK users expect of `extra_body`. Responses serialise with a plain `model_dump()` to the
+JSON the `openai` SDK parses. Names, defaults and extras follow OpenAI's API and vLLM's server.
+
+No I/O, no engine and no tokenizer here: the logprob helpers take a `decode` callable.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from aserve.engine.outputs import Logprob
+from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0)]
+Temperature = Annotated[float, Field(ge=0.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
+
+
+def make_id(prefix: str) -> str:
+    """A fresh response id: `cmpl-…`, `chatcmpl-…`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _GenerationRequest(_Request):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    n: PositiveInt | None = 1
+    temperature: Temperature | None = 1.0
+    top_p: TopP | None = 1.0
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    logit_bias: dict[str, Bias] | None = None
+    seed: Seed | None = None
+    user: str | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegativeInt = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    prompt_logprobs: LogprobCount | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_is_strings(cls, value: Any) -> Any:
+        ok = value is None or isinstance(value, str) or (
+            isinstance(value, list) and all(isinstance(s, str) for s in value))
+        if not ok:
+            raise ValueError("stop must be a string or a list of strings.")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_keys_are_token_ids(cls, value: Any) -> Any:
+        for key in value or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (strings of non-negative "
+                                 f"integers), got {key!r}.")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        """Whether every stream chunk carries usage so far."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        return dict(
+            n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+            top_k=-1 if self.top_k in (None, 0) else self.top_k, min_p=_or(self.min_p, 0.0),
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0), seed=self.seed,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias)
+
+
+class CompletionRequest(_GenerationRequest):
+    """`POST /v1/completions`."""
+
+    prompt: PromptInput
+    max_tokens: PositiveInt | None = 16
+    logprobs: LogprobCount | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty.")
+        ok = isinstance(value, str) or _is_token_ids(value) or (isinstance(value, list) and (
+            all(isinstance(p, str) for p in value) or all(_is_token_ids(p) and p for p in value)))
+        if not ok:
+            raise ValueError("prompt must be a string, a list of strings, a list of non-negative "
+                             "token ids or a list of non-empty token-id lists.")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("suffix is not currently supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None and value != _or(info.data.get("n"), 1):
+            raise ValueError(f"best_of must be unset or equal to n; best_of={value} with "
+                             f"n={_or(info.data.get('n'), 1)} is not supported.")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request, one per entry: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or _is_token_ids(prompt):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`default_max_tokens` (max_model_len − prompt length) applies when max_tokens is null.
+        Raises `ValueError` naming the field for values `SamplingParams` rejects."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
+        kwargs = self._sampling_kwargs() | dict(prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**kwargs, max_tokens=_or(self.max_tokens, default_max_tokens),
+                              logprobs=self.logprobs)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    """One message of a conversation; content is text or a list of text parts."""
+
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of content parts.")
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported; only "
+                                 "{'type': 'text', 'text': ...} parts are.")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string `text`.")
+        return value
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "\n".join(part.text for part in self.content)
+
+    def to_template(self) -> dict[str, str]:
+        """This message as a chat template sees it: role, content (a string), name if given."""
+        message = {"role": self.role, "content": self.text()}
+        return message | {"name": self.name} if self.name is not None else message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """`POST /v1/chat/completions`."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: LogprobCount | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    echo: bool = False
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format_only(cls, value: Any) -> Any:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported "
+                             "yet; only 'text' is.")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tools are not supported yet.")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none", "auto"):  # "auto" with no tools means "none"
+            raise ValueError(f"tool_choice {value!r} is not supported yet; only 'none' is.")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _no_continue_final_message(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("continue_final_message is not supported yet.")
+        return value
+
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """max_completion_tokens wins over max_tokens; both null → `default_max_tokens`.
+        Raises `ValueError` naming the field for values `SamplingParams` rejects."""
+        max_tokens = _or(self.max_completion_tokens, _or(self.max_tokens, default_max_tokens))
+        logprobs = _or(self.top_logprobs, 0) if self.logprobs else None
+        return SamplingParams(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (content flattened to a string)."""
+        return [m.to_template() for m in self.messages]
+
+
+class TokenizeRequest(_Request):
+    """`POST /tokenize`: either `prompt` (add_special_tokens defaults to True) or `messages`
+    rendered by the chat template (add_special_tokens defaults to False)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("Give exactly one of `prompt` and `messages`.")
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.prompt is not None
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.to_template() for m in self.messages or []]
+
+
+class DetokenizeRequest(_Request):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class CompletionLogprobs(BaseModel):
+    """Completions' `logprobs`: one entry per token; None where a token has no logprob (the
+    first prompt token when echoing)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """A choice of a completion; in a stream chunk `text` is the new text only."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float = MIN_LOGPROB
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatLogprob):
+    top_logprobs: list[ChatLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A stream chunk's `delta`; unset fields are left out of the JSON, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str = Field(default_factory=lambda: make_id("chatcmpl"))
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+def chat_role_chunk(response_id: str, model: str, created: int,
+                    index: int) -> ChatCompletionStreamResponse:
+    """The first chunk of choice `index`: `delta` = {role: assistant, content: ""}."""
+    choice = ChatCompletionStreamChoice(index=index,
+                                        delta=DeltaMessage(role="assistant", content=""))
+    return ChatCompletionStreamResponse(id=response_id, model=model, created=created,
+                                        choices=[choice])
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "aserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Logprobs: the engine's `dict[token_id, Logprob]` per token → OpenAI's two shapes
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def _token_text(token_id: int, logprob: Logprob | None, decode: Callable[[int], str]) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return decode(token_id)
+
+
+def _ranked(step: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """Entries best first: by rank where known, else by logprob."""
+    return sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0,
+                                                -kv[1].logprob))
+
+
+def completion_logprobs(token_ids: Sequence[int],
+                        sample_logprobs: Sequence[dict[int, Logprob] | None],
+                        decode: Callable[[int], str],
+                        initial_offset: int = 0) -> CompletionLogprobs:
+    """The completions `logprobs` object for `token_ids`, whose text starts at character
+    `initial_offset` of the choice's text (nonzero in stream chunks after the first, or after an
+    echoed prompt). `top_logprobs` holds every entry the engine gave: the top-k and the chosen
+    token."""
+    out = CompletionLogprobs()
+    offset = initial_offset
+    for token_id, step in zip(token_ids, sample_logprobs, strict=True):
+        chosen = step.get(token_id) if step else None
+        token = _token_text(token_id, chosen, decode)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        offset += len(token)
+        if chosen is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(_clamp(chosen.logprob))
+        out.top_logprobs.append({_token_text(t, lp, decode): _clamp(lp.logprob)
+                                 for t, lp in _ranked(step)})
+    return out
+
+
+def _chat_logprob(token: str, logprob: float) -> ChatLogprob:
+    return ChatLogprob(token=token, logprob=_clamp(logprob), bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(token_ids: Sequence[int],
+                  sample_logprobs: Sequence[dict[int, Logprob] | None],
+                  decode: Callable[[int], str],
+                  num_top_logprobs: int) -> ChatChoiceLogprobs:
+    """The chat `logprobs` object: per token its text, logprob, UTF-8 bytes and the
+    `num_top_logprobs` most likely tokens at that position."""
+    content = []
+    for token_id, step in zip(token_ids, sample_logprobs, strict=True):
+        chosen = step.get(token_id) if step else None
+        top = [_chat_logprob(_token_text(t, lp, decode), lp.logprob)
+               for t, lp in _ranked(step or {})[:num_top_logprobs]]
+        entry = _chat_logprob(_token_text(token_id, chosen, decode),
+                              chosen.logprob if chosen else MIN_LOGPROB)
+        content.append(ChatTokenLogprob(**entry.model_dump(), top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)

@@ -1,0 +1,55 @@
+"""The small routes: models, tokenize / detokenize, metrics. (Generation lives in
+`completions.py` and `chat.py`; health and version in `app.py`.)"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from aserve.server.chat import render_chat
+from aserve.server.errors import ServerError
+from aserve.server.metrics import CONTENT_TYPE
+from aserve.server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from aserve.server.serving import check_model, parse_body, running_engine, server_state
+
+
+async def list_models(request: Request) -> Response:
+    state = server_state(request)
+    engine = running_engine(request)
+    card = ModelCard(id=state.model_name, root=state.engine_args.model,
+                     max_model_len=engine.model_info.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+async def tokenize(request: Request) -> Response:
+    body = await parse_body(request, TokenizeRequest)
+    check_model(request, body.model)
+    engine = running_engine(request)
+    text = body.prompt if body.prompt is not None else render_chat(request, engine, body)
+    tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return JSONResponse(TokenizeResponse(tokens=tokens, count=len(tokens),
+                                         max_model_len=engine.model_info.max_model_len)
+                        .model_dump())
+
+
+async def detokenize(request: Request) -> Response:
+    body = await parse_body(request, DetokenizeRequest)
+    check_model(request, body.model)
+    engine = running_engine(request)
+    try:
+        engine.processor.check_token_ids(body.tokens, "tokens")
+    except ValueError as e:
+        raise ServerError(str(e), 400, "tokens") from e
+    text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)

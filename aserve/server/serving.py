@@ -1,0 +1,196 @@
+"""What the generation routes share: request parsing, validation before anything reaches the
+engine, starting the engine requests, merging their streams, client-disconnect aborts, SSE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aserve.engine.outputs import RequestOutput
+from aserve.engine.processor import ProcessedPrompt
+from aserve.sampling_params import SamplingParams
+from aserve.server.errors import ErrorResponse, ServerError
+from aserve.server.metrics import RequestTracker
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def server_state(request: Request):
+    return request.app.state.aserve
+
+
+def running_engine(request: Request) -> AsyncEngine:
+    engine = server_state(request).engine
+    if engine is None or not engine.is_running:
+        reason = engine.dead_error if engine is not None else None
+        raise ServerError(reason or "The engine is not running.", 503)
+    return engine
+
+
+def check_model(request: Request, model: str | None) -> None:
+    name = server_state(request).model_name
+    if model is not None and model != name:
+        raise ServerError(f"The model `{model}` does not exist.", 404, "model")
+
+
+async def parse_body(request: Request, cls: type[ModelT]) -> ModelT:
+    limit = server_state(request).config.max_request_body_bytes
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ServerError(f"The request body is larger than {limit} bytes.", 413)
+    return cls.model_validate_json(bytes(body))  # ValidationError → 400 by its handler
+
+
+async def process_prompt(engine: AsyncEngine, prompt: str | list[int],
+                         add_special_tokens: bool) -> ProcessedPrompt:
+    value = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    try:
+        return await engine.process_prompt(value, add_special_tokens)
+    except ValueError as e:
+        raise ServerError.from_value_error(e) from e
+
+
+def sampling_params_for(engine: AsyncEngine, prompt: ProcessedPrompt, max_tokens: int | None,
+                        make_params: Callable[[int], SamplingParams]) -> SamplingParams:
+    """The request's params, with max_tokens defaulting to what fits in the context; a prompt
+    plus max_tokens over the context length is refused with vLLM's message."""
+    max_model_len = engine.model_info.max_model_len
+    num_prompt = len(prompt.prompt_token_ids)
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise ServerError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.", 400, "max_tokens")
+    try:
+        return make_params(max_model_len - num_prompt)
+    except ValueError as e:
+        raise ServerError.from_value_error(e) from e
+
+
+@dataclass
+class Generation:
+    """One engine request (one prompt, `n` completions) of an HTTP request."""
+
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    stream: RequestStream
+    tracker: RequestTracker
+
+
+async def start_generations(request: Request, engine: AsyncEngine, request_id: str,
+                            prompts: list[ProcessedPrompt], params: list[SamplingParams],
+                            priority: int) -> list[Generation]:
+    metrics = server_state(request).metrics
+    generations: list[Generation] = []
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            stream = await engine.add_request(rid, prompt, sp, priority)
+            generations.append(Generation(prompt, sp, stream,
+                                          metrics.track(len(prompt.prompt_token_ids))))
+    except ValueError as e:
+        abort_all(generations)
+        raise ServerError.from_value_error(e) from e
+    except EngineDeadError as e:
+        abort_all(generations)
+        raise ServerError(str(e), 503) from e
+    return generations
+
+
+def abort_all(generations: list[Generation]) -> None:
+    for generation in generations:
+        generation.stream.abort()
+
+
+async def merged_outputs(generations: list[Generation]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(generation index, delta) as they arrive from every generation; aborts all on exit."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+            queue.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g.stream)) for i, g in enumerate(generations)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                record(generations[i].tracker, item)
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        abort_all(generations)
+
+
+def record(tracker: RequestTracker, output: RequestOutput) -> None:
+    for delta in output.outputs:
+        tracker.on_tokens(len(delta.token_ids))
+        if delta.finish_reason is not None:
+            tracker.on_finish(delta.finish_reason)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_or_abort(request: Request, generations: list[Generation]
+                           ) -> list[list[RequestOutput]]:
+    """Every delta of every generation; if the client disconnects first, abort them all."""
+    results: list[list[RequestOutput]] = [[] for _ in generations]
+
+    async def collect() -> None:
+        async for i, output in merged_outputs(generations):
+            results[i].append(output)
+
+    collector = asyncio.create_task(collect())
+    watcher = asyncio.create_task(until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if collector not in done:
+            collector.cancel()
+            abort_all(generations)
+            raise ServerError("The client disconnected.", 499)
+        collector.result()  # re-raises an engine failure
+    except EngineDeadError as e:
+        raise ServerError(str(e), 503) from e
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    return results
+
+
+def sse(payload: BaseModel | str) -> str:
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def sse_error(error: Exception) -> str:
+    status = 503 if isinstance(error, EngineDeadError) else 500
+    return sse(ErrorResponse.of(str(error), status))

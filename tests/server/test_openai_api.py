@@ -1,0 +1,114 @@
+"""The real `openai` SDK against a uvicorn server: completions and chat, streaming or not."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from aserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def client(server_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_completion_non_streaming_and_streaming_agree(client):
+    kwargs = dict(model="tiny", prompt="Hello! How are you?", max_tokens=20, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs)
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(**kwargs, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
+                  max_completion_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    assert full.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(**kwargs, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_n_two_gives_two_choices(client):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, n=2,
+                                    temperature=1.0, seed=1)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    chat = client.chat.completions.create(model="tiny", n=2, max_tokens=5, seed=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+
+
+def test_logprobs_are_well_formed(client):
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == out.choices[0].text
+    # top-3 plus the chosen token, keyed by token text (distinct byte tokens may share a text)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 4 and max(top.values()) <= 0
+        assert logprob == max(top.values())  # greedy: the chosen token is the most likely
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
+
+
+def test_server_greedy_equals_offline_llm(client, model_dir_factory):
+    prompts = ["Hello! How are you?", "The quick brown fox", "中文文本测试"]
+    llm = LLM(str(model_dir_factory("llama")), dtype="float32", max_model_len=256)
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24,
+                                                   ignore_eos=True))
+    for prompt, expected in zip(prompts, offline):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert out.choices[0].text == expected.outputs[0].text
+    batch = client.completions.create(model="tiny", prompt=[o.prompt_token_ids for o in offline],
+                                      max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in batch.choices] == [o.outputs[0].text for o in offline]
+
+
+def test_health_version_tokenize_detokenize(server_url):
+    assert httpx.get(f"{server_url}/health").status_code == 200
+    assert httpx.get(f"{server_url}/version").json()["version"]
+    tok = httpx.post(f"{server_url}/tokenize", json={"model": "tiny", "prompt": "Hello"}).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 256
+    text = httpx.post(f"{server_url}/detokenize",
+                      json={"model": "tiny", "tokens": tok["tokens"]}).json()
+    assert text == {"prompt": "Hello"}
+    chat = httpx.post(f"{server_url}/tokenize", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] > tok["count"]
+
+
+def test_metrics_expose_vllm_style_names(server_url, client):
+    client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    text = httpx.get(f"{server_url}/metrics").text
+    for name in ("aserve:num_requests_running", "aserve:num_requests_waiting",
+                 "aserve:kv_cache_usage_perc", "aserve:prefix_cache_queries_total",
+                 "aserve:prefix_cache_hits_total", "aserve:num_preemptions_total",
+                 "aserve:prompt_tokens_total", "aserve:generation_tokens_total",
+                 "aserve:request_success_total", "aserve:time_to_first_token_seconds_bucket",
+                 "aserve:inter_token_latency_seconds_bucket",
+                 "aserve:e2e_request_latency_seconds_bucket"):
+        assert name in text, name
+    assert 'model_name="tiny"' in text
