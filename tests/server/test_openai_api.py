@@ -61,7 +61,7 @@ def test_logprobs_are_well_formed(client):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert "".join(lp.tokens) == out.choices[0].text
     # top-3 plus the chosen token, keyed by token text (distinct byte tokens may share a text)
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert 1 <= len(top) <= 4 and max(top.values()) <= 0
         assert logprob == max(top.values())  # greedy: the chosen token is the most likely
     chat = client.chat.completions.create(
