@@ -76,6 +76,8 @@ def summarize(engine: str, num_requests: int, num_output_tokens: int, num_prompt
               elapsed: float, **extra) -> dict:
     return {
         "engine": engine,
+        "num_requests": num_requests,
+        "num_output_tokens": num_output_tokens,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(num_requests / elapsed, 3),
         "output_tokens_per_s": round(num_output_tokens / elapsed, 1),

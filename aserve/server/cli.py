@@ -1,62 +1,210 @@
-"""Command line: `python -m aserve --model DIR --prompt "..."` generates offline.
+"""Command line: `python -m aserve --model M` serves the OpenAI-compatible API over HTTP.
 
-(The OpenAI-compatible HTTP server arrives in a later change; until then the CLI runs the
-offline engine.)
+    python -m aserve --model /path/to/model            # a local HF directory, or
+    python -m aserve --model org/name                  # a Hugging Face hub id (cache first)
+    python -m aserve --model M --prompt "Hello"        # generate offline and print, no server
+
+Every `EngineArgs` field is a flag of the same name (`max_num_seqs` -> `--max-num-seqs`); the
+frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGINT or SIGTERM
+stops the server gracefully (in-flight requests get a few seconds) and the process exits 0.
+
+Exit codes: 0 served or generated; 1 the engine or the socket failed; 2 bad arguments or a
+model that cannot be found.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import json
+import logging
+import os
+import re
+import signal
+import socket
 import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 
+import aserve
 from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
 
+DEFAULT_MODEL: str | None = None  # the built-in demo model, once one ships
+NO_MODEL_ERROR = "no built-in model is shipped yet; pass --model DIR or a hub id"
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+API_KEY_ENV = "ASERVE_API_KEY"
+GRACEFUL_SHUTDOWN_S = 10
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+ENGINE_HELP = {
+    "model": "a HF model directory (config.json, *.safetensors, tokenizer.json) or a hub id "
+             "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1",
+    "tokenizer": "tokenizer directory or hub id (default: the model's)",
+    "dtype": "auto (config.json's) | float32 | bfloat16 | float16",
+    "max_model_len": "longest prompt + completion in tokens (default: the model's maximum)",
+    "max_num_seqs": "most requests running at once",
+    "max_num_batched_tokens": "token budget of one engine step (decodes + prefill chunks)",
+    "long_prefill_token_threshold": "cap one request's prefill chunk per step (0: no cap)",
+    "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
+    "block_size": "tokens per KV cache block",
+    "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
+    "kv_cache_memory": "bytes for the KV cache: 2147483648, 4GiB, 512MiB, 1.5G (K/M/G/T are "
+                       "binary, KB/MB/GB/TB decimal)",
+    "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory)",
+    "seed": "seed of the sampler's random generator",
+    "device": "torch device of the model: cpu (GPU backends are on the way)",
+    "served_model_name": "the model's name in the API (default: --model as given)",
+}
+
+
+class UsageError(Exception):
+    """Bad arguments or a model that cannot be found: one line on stderr, exit code 2."""
+
+
+# ---------------------------------------------------------------------------------- arguments
+
+_UNITS = {"": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+          "m": 1 << 20, "mi": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+          "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+          "t": 1 << 40, "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """`4GiB` -> 4 * 2**30; `512MB` -> 512 * 10**6; `1.5G` -> 1.5 * 2**30; `1024` -> 1024."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _UNITS.get(match.group(2).lower())
+    if unit is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MiB)")
+    return int(float(match.group(1)) * unit)
+
+
+def _flag_type(name: str, annotation: str) -> type | None:
+    if name == "kv_cache_memory":
+        return parse_bytes
+    for kind in (bool, int, float):
+        if kind.__name__ in str(annotation).split(" | "):
+            return kind
+    return str
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineArgs` field, so a new engine knob is a new flag without edits here."""
+    group = parser.add_argument_group("engine")
     defaults = EngineArgs(model="")
     for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
+        flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
+        help_text = ENGINE_HELP.get(f.name, f"EngineArgs.{f.name}")
+        kind = _flag_type(f.name, f.type)
         if f.name == "model":
-            parser.add_argument(flag, required=True, help="HF model directory")
-        elif isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, default=None, help=help_text)
+        elif kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
         else:
-            kind = type(default) if default is not None else (str if "str" in str(f.type) else int)
-            parser.add_argument(flag, type=kind, default=default)
+            group.add_argument(flag, type=kind, default=default,
+                               help=f"{help_text} (default: {default})")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only; "
+                            "0.0.0.0 listens on every interface)")
+    group.add_argument("--port", type=int, default=8000, help="(default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1 routes (default: "
+                            f"${API_KEY_ENV} if set, else no key)")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one (default: the "
+                            "tokenizer's)")
+    group.add_argument("--allowed-origins", action="append", default=[],
+                       help="CORS origins allowed to call the API, comma-separated or repeated "
+                            "(default: none, CORS off)")
+    group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
+                       help="log level of uvicorn and aserve (default: info)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="accepted for vLLM compatibility and not used yet: it takes effect "
+                            "once GPU backends land; size the KV cache with --kv-cache-memory "
+                            "or --num-kv-blocks")
+
+
+def add_offline_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("offline generation (no server)")
+    group.add_argument("--prompt", action="append", default=None,
+                       help="generate a completion of this prompt and exit (repeat for several)")
+    group.add_argument("--max-tokens", type=int, default=64)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=-1)
+    group.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m aserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"aserve {aserve.__version__}")
+    add_engine_args(parser)
+    add_server_args(parser)
+    add_offline_args(parser)
+    return parser
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
-    parser.add_argument("--prompt", action="append", required=True,
-                        help="prompt to complete (repeat for several)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    ns = parser.parse_args(argv)
+def server_config_from(ns: argparse.Namespace):  # -> ServerConfig (imported lazily)
+    from aserve.server.app import ServerConfig
 
-    from aserve.engine.llm import LLM  # imports torch: only once arguments are valid
+    origins = [o.strip() for arg in ns.allowed_origins for o in arg.split(",") if o.strip()]
+    return ServerConfig(served_model_name=ns.served_model_name,
+                        api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+                        chat_template=ns.chat_template, allowed_origins=origins)
+
+
+# ---------------------------------------------------------------------------------- the model
+
+def resolve_model(name: str) -> str:
+    """A local directory as is; else a hub id, fetched into (or found in) the HF cache."""
+    if Path(name).expanduser().exists():
+        return str(Path(name).expanduser())
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     try:
-        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
-                                top_p=ns.top_p, top_k=ns.top_k)
-        llm = LLM(**dataclasses.asdict(engine_args_from(ns)))
-        outputs = llm.generate(ns.prompt, params)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for out in outputs:
+        return snapshot_download(name, allow_patterns=HUB_FILES)
+    except HFValidationError:
+        raise UsageError(f"model {name!r}: no such directory (nor a hub id org/name)") from None
+    except LocalEntryNotFoundError:
+        raise UsageError(f"model {name!r}: no such directory, and no copy in the Hugging Face "
+                         "cache (HF_HUB_OFFLINE is set or the hub is unreachable)") from None
+    except (RepositoryNotFoundError, GatedRepoError):
+        raise UsageError(f"model {name!r}: no such directory, nor a hub repository you can "
+                         "read (private or gated ones need HF_TOKEN)") from None
+    except Exception as e:  # noqa: BLE001 - any download failure is one line, not a traceback
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        raise UsageError(f"model {name!r}: download failed: {type(e).__name__}: "
+                         f"{first_line}") from None
+
+
+# ---------------------------------------------------------------------------------- offline
+
+def generate_offline(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
+    from aserve.engine.llm import LLM  # imports torch: only once arguments are valid
+
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature,
+                            top_p=ns.top_p, top_k=ns.top_k)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    for out in llm.generate(ns.prompt, params):
         completion = out.outputs[0]
         if ns.json:
             print(json.dumps({"prompt": out.prompt, "text": completion.text,
@@ -65,3 +213,122 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{out.prompt}{completion.text}")
     return 0
+
+
+# ---------------------------------------------------------------------------------- serving
+
+class _StartupLogFilter(logging.Filter):
+    """While the engine starts, a failure is reported by `main` in one line: drop the engine's
+    own traceback of it (shown at --uvicorn-log-level debug)."""
+
+    def __init__(self, show_tracebacks: bool) -> None:
+        super().__init__()
+        self.starting = not show_tracebacks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.starting and record.exc_info)
+
+
+def _configure_logging(level: str) -> _StartupLogFilter:
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
+    log_filter = _StartupLogFilter(show_tracebacks=level in ("debug", "trace"))
+    handler.addFilter(log_filter)
+    logger = logging.getLogger("aserve")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
+    logger.propagate = False
+    return log_filter
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before the model loads, so that a busy port fails in a second, not after loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+@contextlib.contextmanager
+def _exit_quietly_after_signal() -> Iterator[None]:
+    """uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then re-raises the
+    signal to the handler it found. Make that handler a no-op so that the engine shuts down
+    after the server and the process exits 0 instead of dying on the re-raised signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+async def _serve(app, server, sock: socket.socket, banner: str,
+                 log_filter: _StartupLogFilter) -> None:
+    from aserve.server.app import aserve_lifespan
+
+    async with aserve_lifespan(app):  # loads the model; raises if the engine cannot start
+        log_filter.starting = False
+        print(banner, file=sys.stderr, flush=True)
+        with _exit_quietly_after_signal():
+            await server.serve(sockets=[sock])
+
+
+def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from aserve.engine.async_engine import EngineDeadError
+    from aserve.server.app import build_app
+
+    try:
+        app = build_app(engine_args, server_config_from(ns))
+    except OSError as e:  # --chat-template names a file that cannot be read
+        raise UsageError(f"--chat-template: {e}") from None
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    log_filter = _configure_logging(ns.uvicorn_log_level)
+    name = app.state.aserve.model_name
+    host = f"[{ns.host}]" if ":" in ns.host else ns.host
+    banner = f"aserve {aserve.__version__} serving {name} on http://{host}:{ns.port}"
+    try:
+        sock = _bind(ns.host, ns.port)
+        with sock:
+            asyncio.run(_serve(app, uvicorn.Server(config), sock, banner, log_filter))
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        return 130
+    except (EngineDeadError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        model = ns.model or DEFAULT_MODEL
+        if model is None:
+            raise UsageError(NO_MODEL_ERROR)
+        ns.model = resolve_model(model)
+        if ns.served_model_name is None and ns.model != model:
+            ns.served_model_name = model  # a hub id names the model, not its cache path
+        if ns.tokenizer is not None:
+            ns.tokenizer = resolve_model(ns.tokenizer)
+        engine_args = engine_args_from(ns)
+        if ns.prompt:
+            return generate_offline(engine_args, ns)
+        return serve(engine_args, ns)
+    except (UsageError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
