@@ -28,7 +28,8 @@ def _param(*shape: int, loader) -> nn.Parameter:
     return param
 
 
-def _copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into a parameter (or a slice of one) of the same shape."""
     if param.shape != loaded.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
                          f"checkpoint {tuple(loaded.shape)}.")
@@ -47,7 +48,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
-        _copy(param, loaded)
+        default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -68,7 +69,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         size = param.shape[0]
-        _copy(param, loaded.narrow(0, self.tp_rank * size, size))
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -84,7 +85,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
         part = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), part)
+        default_weight_loader(param.data.narrow(0, offset, size), part)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -116,7 +117,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"QKVParallelLinear needs shard id 'q', 'k' or 'v', got {shard_id!r}.")
         offset, size, part = self._shard(shard_id)
-        _copy(param.data.narrow(0, offset, size), loaded.narrow(0, part * size, size))
+        default_weight_loader(param.data.narrow(0, offset, size),
+                              loaded.narrow(0, part * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -133,10 +135,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: replicated
-            _copy(param, loaded)
+            default_weight_loader(param, loaded)
             return
         size = param.shape[1]
-        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from aserve.config import ModelConfig
+from aserve.layers.linear import default_weight_loader
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.registry import get_model_class
 
@@ -144,13 +145,6 @@ def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) 
     return names
 
 
-def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, "
-                         f"checkpoint {tuple(loaded.shape)}.")
-    param.data.copy_(loaded)
-
-
 def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded."""
     packed = getattr(model, "packed_modules", {})
@@ -169,7 +163,7 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
                 loader = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
-                        _default_loader(param, f.get_tensor(name))
+                        default_weight_loader(param, f.get_tensor(name))
                     else:
                         loader(param, f.get_tensor(name), shard_id)
                 except ValueError as e:

@@ -26,8 +26,9 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aserve
 from aserve.engine.arg_utils import EngineArgs
@@ -82,7 +83,10 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * unit)
 
 
-def _flag_type(name: str, annotation: str) -> type | None:
+_METAVARS: dict[Any, str] = {int: "N", float: "X", parse_bytes: "BYTES"}
+
+
+def _flag_type(name: str, annotation: str) -> Callable[[str], Any]:
     if name == "kv_cache_memory":
         return parse_bytes
     for kind in (bool, int, float):
@@ -98,15 +102,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag, default = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
         help_text = ENGINE_HELP.get(f.name, f"EngineArgs.{f.name}")
+        if default is not None and default != "" and "default:" not in help_text:
+            help_text += f" (default: {default})"
         kind = _flag_type(f.name, f.type)
-        if f.name == "model":
-            group.add_argument(flag, default=None, help=help_text)
-        elif kind is bool:
+        if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=default,
-                               help=f"{help_text} (default: {default})")
+            group.add_argument(flag, type=kind, default=None if f.name == "model" else default,
+                               help=help_text, metavar=_METAVARS.get(kind, f.name.upper()))
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -114,19 +118,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1, this machine only; "
                             "0.0.0.0 listens on every interface)")
-    group.add_argument("--port", type=int, default=8000, help="(default: 8000)")
-    group.add_argument("--api-key", default=None,
+    group.add_argument("--port", type=int, default=8000, metavar="N", help="(default: 8000)")
+    group.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require `Authorization: Bearer KEY` on /v1 routes (default: "
                             f"${API_KEY_ENV} if set, else no key)")
-    group.add_argument("--chat-template", default=None,
+    group.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                        help="a Jinja chat template, or a file holding one (default: the "
                             "tokenizer's)")
-    group.add_argument("--allowed-origins", action="append", default=[],
+    group.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                        help="CORS origins allowed to call the API, comma-separated or repeated "
                             "(default: none, CORS off)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="X",
                        help="accepted for vLLM compatibility and not used yet: it takes effect "
                             "once GPU backends land; size the KV cache with --kv-cache-memory "
                             "or --num-kv-blocks")
@@ -244,7 +248,8 @@ def _configure_logging(level: str) -> _StartupLogFilter:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind before the model loads, so that a busy port fails in a second, not after loading."""
+    """Bind before the model loads, so that a busy port fails in a second, not after loading;
+    `_serve` listens once the engine is ready (until then connections are refused)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -279,6 +284,7 @@ async def _serve(app, server, sock: socket.socket, banner: str,
 
     async with aserve_lifespan(app):  # loads the model; raises if the engine cannot start
         log_filter.starting = False
+        sock.listen(server.config.backlog)  # connections queue from here on: say so
         print(banner, file=sys.stderr, flush=True)
         with _exit_quietly_after_signal():
             await server.serve(sockets=[sock])
@@ -321,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         if model is None:
             raise UsageError(NO_MODEL_ERROR)
         ns.model = resolve_model(model)
-        if ns.served_model_name is None and ns.model != model:
-            ns.served_model_name = model  # a hub id names the model, not its cache path
+        ns.served_model_name = ns.served_model_name or model  # a hub id, not its cache path
         if ns.tokenizer is not None:
             ns.tokenizer = resolve_model(ns.tokenizer)
         engine_args = engine_args_from(ns)
