@@ -6,7 +6,7 @@
 
 Every `EngineArgs` field is a flag of the same name (`max_num_seqs` -> `--max-num-seqs`); the
 frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGINT or SIGTERM
-stops the server gracefully (in-flight requests get a few seconds) and the process exits 0.
+stops the server gracefully (in-flight requests get 10 s) and the process exits 0.
 
 Exit codes: 0 served or generated; 1 the engine or the socket failed; 2 bad arguments or a
 model that cannot be found.
@@ -28,11 +28,17 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aserve
 from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server side imports torch: load it only once arguments are valid
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from aserve.server.app import ServerConfig
 
 DEFAULT_MODEL: str | None = None  # the built-in demo model, once one ships
 NO_MODEL_ERROR = "no built-in model is shipped yet; pass --model DIR or a hub id"
@@ -161,7 +167,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
-def server_config_from(ns: argparse.Namespace):  # -> ServerConfig (imported lazily)
+def server_config_from(ns: argparse.Namespace) -> ServerConfig:
     from aserve.server.app import ServerConfig
 
     origins = [o.strip() for arg in ns.allowed_origins for o in arg.split(",") if o.strip()]
@@ -262,31 +268,38 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def _exit_quietly_after_signal() -> Iterator[None]:
-    """uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then re-raises the
-    signal to the handler it found. Make that handler a no-op so that the engine shuts down
-    after the server and the process exits 0 instead of dying on the re-raised signal."""
+def _signal_handlers(handler: Callable[[int, Any], None], *signals: int) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield  # only the main thread may set handlers (uvicorn then sets none either)
         return
-    signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in signals}
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
-async def _serve(app, server, sock: socket.socket, banner: str,
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # SIGTERM while the model loads (even as a container's PID 1)
+
+
+def _ignore_signal(signum: int, frame: Any) -> None:
+    pass
+
+
+async def _serve(app: Starlette, server: uvicorn.Server, sock: socket.socket, banner: str,
                  log_filter: _StartupLogFilter) -> None:
     from aserve.server.app import aserve_lifespan
 
     async with aserve_lifespan(app):  # loads the model; raises if the engine cannot start
         log_filter.starting = False
-        sock.listen(server.config.backlog)  # connections queue from here on: say so
+        sock.listen(server.config.backlog)  # accept (queue) connections only from now
         print(banner, file=sys.stderr, flush=True)
-        with _exit_quietly_after_signal():
+        # uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then re-raises
+        # the signal to the handler it found: make that one a no-op, so that the engine stops
+        # after the server and the process exits 0.
+        with _signal_handlers(_ignore_signal, signal.SIGINT, signal.SIGTERM):
             await server.serve(sockets=[sock])
 
 
@@ -303,12 +316,12 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     log_filter = _configure_logging(ns.uvicorn_log_level)
-    name = app.state.aserve.model_name
-    host = f"[{ns.host}]" if ":" in ns.host else ns.host
-    banner = f"aserve {aserve.__version__} serving {name} on http://{host}:{ns.port}"
     try:
         sock = _bind(ns.host, ns.port)
-        with sock:
+        host = f"[{ns.host}]" if ":" in ns.host else ns.host
+        banner = (f"aserve {aserve.__version__} serving {app.state.aserve.model_name} on "
+                  f"http://{host}:{sock.getsockname()[1]}")
+        with sock, _signal_handlers(_exit_on_signal, signal.SIGTERM):
             asyncio.run(_serve(app, uvicorn.Server(config), sock, banner, log_filter))
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130

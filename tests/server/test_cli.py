@@ -1,0 +1,127 @@
+"""`python -m aserve` as users run it: a real process serving HTTP, its errors, its flags."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from aserve.engine.arg_utils import EngineArgs
+from aserve.server.cli import NO_MODEL_ERROR, build_parser, engine_args_from, server_config_from
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aserve", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited before it was healthy"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the server was not healthy within the deadline")
+
+
+def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "stderr.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aserve", "--model", str(model_dir_factory("llama")),
+             "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+             "--served-model-name", "tiny-cli", "--api-key", "secret"],
+            stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        wait_healthy(proc, url)
+        body = {"model": "tiny-cli", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        key = {"Authorization": "Bearer secret"}
+        out = httpx.post(f"{url}/v1/completions", json=body, headers=key, timeout=30)
+        assert out.status_code == 200
+        assert out.json()["usage"]["completion_tokens"] == 4
+        assert isinstance(out.json()["choices"][0]["text"], str)
+        models = httpx.get(f"{url}/v1/models", headers=key).json()
+        assert [m["id"] for m in models["data"]] == ["tiny-cli"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert f"serving tiny-cli on {url}" in log.read_text()
+
+
+def test_without_a_model_exits_2_and_says_to_pass_one():
+    result = run_cli()
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {NO_MODEL_ERROR}"
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model/dir", "no-such-org/no-such-model"])
+def test_unknown_model_offline_is_one_error_line_and_exit_2(model, tmp_path):
+    result = run_cli("--model", model,
+                     env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and model in lines[0]
+
+
+def test_a_model_dir_without_weights_fails_with_one_error_line(model_dir_factory, tmp_path):
+    broken = tmp_path / "no-weights"
+    shutil.copytree(model_dir_factory("llama"), broken,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    result = run_cli("--model", broken, "--port", free_port(), "--dtype", "float32")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+
+
+def test_flags_map_onto_engine_args_and_server_config(monkeypatch):
+    monkeypatch.setenv("ASERVE_API_KEY", "from-env")
+    ns = build_parser().parse_args([
+        "--model", "m", "--kv-cache-memory", "512MiB", "--no-enable-prefix-caching",
+        "--max-num-seqs", "8", "--scheduling-policy", "priority", "--seed", "0",
+        "--allowed-origins", "http://a,http://b", "--allowed-origins", "http://c"])
+    args = engine_args_from(ns)
+    assert args == EngineArgs(model="m", kv_cache_memory=512 << 20, enable_prefix_caching=False,
+                              max_num_seqs=8, scheduling_policy="priority")
+    config = server_config_from(ns)
+    assert config.allowed_origins == ["http://a", "http://b", "http://c"]
+    assert config.api_key == "from-env"
+    assert server_config_from(build_parser().parse_args(["--api-key", "k"])).api_key == "k"
+
+
+@pytest.mark.parametrize("text,expected", [("1024", 1024), ("4GiB", 4 << 30), ("4G", 4 << 30),
+                                           ("512MB", 512 * 10**6), ("1.5KiB", 1536)])
+def test_kv_cache_memory_accepts_sizes_with_units(text, expected):
+    ns = build_parser().parse_args(["--kv-cache-memory", text])
+    assert ns.kv_cache_memory == expected
+
+
+
+def test_kv_cache_memory_rejects_a_size_it_cannot_read(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--kv-cache-memory", "4 parsecs"])
+    assert exit_info.value.code == 2 and "not a size in bytes" in capsys.readouterr().err
