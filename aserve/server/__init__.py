@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
-from aserve.server.app import ServerConfig, aserve_lifespan, build_app
-
 __all__ = ["ServerConfig", "aserve_lifespan", "build_app"]
+
+
+def __getattr__(name: str):
+    # The app pulls in the engine (and torch); `python -m aserve --help` should not wait for it.
+    if name in __all__:
+        from aserve.server import app
+
+        return getattr(app, name)
+    raise AttributeError(name)
