@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.core import EngineCore
@@ -22,12 +23,18 @@ from aserve.sampling_params import SamplingParams
 class LLM:
     """Load a model and generate offline.
 
+    With no `model`, it loads the built-in demo model (`aserve.assets.DEMO_MODEL_DIR`, served as
+    "aserve-demo"): a tiny chat model that answers in words, for trying aserve without a download.
+
     Keyword arguments are `EngineArgs` fields: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, kv_cache_memory, num_kv_blocks,
     seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device.
     """
 
-    def __init__(self, model: str, **kwargs) -> None:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        if model is None:
+            model = str(DEMO_MODEL_DIR)
+            kwargs.setdefault("served_model_name", DEMO_MODEL_NAME)
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine_core = EngineCore(self.engine_args)
         self.tokenizer = Tokenizer.from_dir(self.engine_args.model_config().tokenizer_path)

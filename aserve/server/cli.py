@@ -1,5 +1,6 @@
 """Command line: `python -m aserve --model M` serves the OpenAI-compatible API over HTTP.
 
+    python -m aserve                                   # the built-in demo model, or
     python -m aserve --model /path/to/model            # a local HF directory, or
     python -m aserve --model org/name                  # a Hugging Face hub id (cache first)
     python -m aserve --model M --prompt "Hello"        # generate offline and print, no server
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aserve
+from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
 
@@ -40,8 +42,7 @@ if TYPE_CHECKING:  # the server side imports torch: load it only once arguments 
 
     from aserve.server.app import ServerConfig
 
-DEFAULT_MODEL: str | None = None  # the built-in demo model, once one ships
-NO_MODEL_ERROR = "no built-in model is shipped yet; pass --model DIR or a hub id"
+DEFAULT_MODEL = str(DEMO_MODEL_DIR)  # served when no --model is given
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 API_KEY_ENV = "ASERVE_API_KEY"
 GRACEFUL_SHUTDOWN_S = 10
@@ -49,7 +50,8 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 ENGINE_HELP = {
     "model": "a HF model directory (config.json, *.safetensors, tokenizer.json) or a hub id "
-             "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1",
+             "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1 (default: the "
+             "built-in demo model, served as aserve-demo)",
     "tokenizer": "tokenizer directory or hub id (default: the model's)",
     "dtype": "auto (config.json's) | float32 | bfloat16 | float16",
     "max_model_len": "longest prompt + completion in tokens (default: the model's maximum)",
@@ -337,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         model = ns.model or DEFAULT_MODEL
-        if model is None:
-            raise UsageError(NO_MODEL_ERROR)
         ns.model = resolve_model(model)
-        ns.served_model_name = ns.served_model_name or model  # a hub id, not its cache path
+        # a hub id, not its cache path; the demo model under its own stable name
+        ns.served_model_name = ns.served_model_name or (
+            model if ns.model != DEFAULT_MODEL else DEMO_MODEL_NAME)
         if ns.tokenizer is not None:
             ns.tokenizer = resolve_model(ns.tokenizer)
         engine_args = engine_args_from(ns)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from aserve.engine.arg_utils import EngineArgs
-from aserve.server.cli import NO_MODEL_ERROR, build_parser, engine_args_from, server_config_from
+from aserve.server.cli import build_parser, engine_args_from, server_config_from
 
 
 def free_port() -> int:
@@ -72,10 +72,29 @@ def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp
     assert f"serving tiny-cli on {url}" in log.read_text()
 
 
-def test_without_a_model_exits_2_and_says_to_pass_one():
-    result = run_cli()
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"error: {NO_MODEL_ERROR}"
+def test_without_a_model_it_serves_the_built_in_demo_model():
+    """The README's first command: `python -m aserve`, then a curl to /v1/completions."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "aserve", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        models = httpx.get(f"{url}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["aserve-demo"]
+        out = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "prompt": "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+            "max_tokens": 16, "temperature": 0}).json()
+        assert out["choices"][0]["text"].strip()
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}).json()
+        assert chat["choices"][0]["message"]["content"].strip()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.mark.parametrize("model", ["/nonexistent/model/dir", "no-such-org/no-such-model"])

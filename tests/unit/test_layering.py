@@ -6,10 +6,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "aserve"
-SHARED = {"config", "sampling_params"}  # frozen dataclasses shared by all
+SHARED = {"config", "sampling_params", "assets"}  # frozen dataclasses, package data
 ALLOWED = {
     "config": set(),
     "sampling_params": set(),
+    "assets": set(),
     "core": set(),
     "kernels": set(),
     "backends": {"kernels"},
@@ -22,7 +23,7 @@ ALLOWED = {
     "engine": {"core", "executor"},
     "server": {"engine"},
 }
-NO_TORCH = {"core", "server", "config", "sampling_params"}
+NO_TORCH = {"core", "server", "config", "sampling_params", "assets"}
 
 
 def imports_of(path: Path) -> list[str]:
