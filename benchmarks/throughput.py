@@ -12,20 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def make_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0,
-                 first_id: int = 3) -> list[list[int]]:
-    """Seeded random token ids, skipping the special ids below `first_id` (the same workload
-    as ../shared/peers/workload.py, so figures compare with the peer's)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(first_id, vocab_size) for _ in range(input_len)] for _ in range(n)]
+from common import make_prompts  # noqa: E402
 
 
 def run_aserve(args, prompts: list[list[int]]) -> dict:

@@ -140,3 +140,15 @@ def test_store_kv_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kv_ref(torch.randn(3, 2, 8), torch.randn(3, 2, 8), kv_cache[0], kv_cache[1],
                      torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_with_the_steps_own_kv_rows_matches_the_cache_path(window):
+    reqs = MIXED + [(9, 9), (16, 16)]  # whole prompts take the fresh-rows path
+    q, kc, vc, starts, lens, table, keys, values = make_batch(reqs, 8, 2, 32, 4)
+    rows_k = torch.cat([k[s - n:] for k, (n, s) in zip(keys, reqs, strict=True)])
+    rows_v = torch.cat([v[s - n:] for v, (n, s) in zip(values, reqs, strict=True)])
+    out = paged_attention_ref(q, kc, vc, starts, lens, table, 32**-0.5, window,
+                              key=rows_k, value=rows_v)
+    torch.testing.assert_close(out.double(), expected(q, starts, keys, values, 32**-0.5, window),
+                               atol=1e-5, rtol=1e-5)

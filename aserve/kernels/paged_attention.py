@@ -126,19 +126,38 @@ def _chunk(q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return _attend(q_b, k, v, mask, scale, soft_cap)[0].transpose(0, 1)  # [q_len, Hq, D]
 
 
+def _fresh_chunk(q_rows: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor,
+                 scale: float, sliding_window: int | None, soft_cap: float | None
+                 ) -> torch.Tensor:
+    """A chunk that is its request's whole sequence: causal attention over its own rows."""
+    q_b, k_b, v_b = (x.transpose(0, 1).unsqueeze(0) for x in (q_rows, k_rows, v_rows))
+    mask = None
+    if sliding_window is not None:
+        pos = torch.arange(q_rows.shape[0], device=q_rows.device)
+        mask = _key_mask(pos.view(-1, 1), pos, torch.tensor(len(pos), device=pos.device),
+                         sliding_window)
+    return _attend(q_b, k_b.to(q_rows.dtype), v_b.to(q_rows.dtype), mask, scale,
+                   soft_cap)[0].transpose(0, 1)  # [q_len, Hq, D]
+
+
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                         block_table: torch.Tensor, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
                         out: torch.Tensor | None = None, *,
                         query_start_loc_cpu: list[int] | None = None,
-                        seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+                        seq_lens_cpu: list[int] | None = None,
+                        key: torch.Tensor | None = None,
+                        value: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged caches [NB, BS, Hkv, D]; returns [T, Hq, D].
 
     query_start_loc [R+1] int32, seq_lens [R] int32, block_table [R, M] int32 (entries past a
     request's need are ignored). `query_start_loc_cpu` / `seq_lens_cpu` are optional host copies
-    of the first two (python lists) that spare the device -> host copy. Rows of `out` past
-    `query_start_loc[R]` (padding) are left untouched (zeros when `out` is None).
+    of the first two (python lists) that spare the device -> host copy. `key` / `value`
+    [T, Hkv, D] are optionally this step's own K/V rows (aligned with q, already stored): a chunk
+    with no cached context (q_len == seq_len) then attends over them directly instead of reading
+    the cache back. Rows of `out` past `query_start_loc[R]` (padding) are left untouched (zeros
+    when `out` is None).
     """
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
@@ -155,6 +174,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for r, seq_len in enumerate(lens):
         start, end = starts[r], starts[r + 1]
         if end - start <= 1:
+            continue
+        if key is not None and end - start == seq_len:  # a whole prompt: no cached context
+            out[start:end] = _fresh_chunk(q[start:end], key[start:end], value[start:end], scale,
+                                          sliding_window, soft_cap)
             continue
         block_ids = block_table[r, : -(-seq_len // block_size)].to(q.device)  # [nblk]
         out[start:end] = _chunk(q[start:end], k_cache, v_cache, block_ids, seq_len, scale,

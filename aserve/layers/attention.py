@@ -100,7 +100,8 @@ class Attention(nn.Module):
             out = paged_attention_ref(
                 q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
                 m.block_table, self.scale, self.sliding_window, self.soft_cap,
-                query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu)
+                query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu,
+                key=k, value=v)
         return out.view(-1, self.num_heads * self.head_dim)  # [T, Hq*D]
 
     def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
