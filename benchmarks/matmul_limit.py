@@ -14,7 +14,7 @@ where t_layer(m) is the time of one layer's GEMMs on m rows (qkv, o, gate_up, do
 layers have the same shapes), t_head(m) that of the LM head, and t_step(m) = L * t_layer(m) +
 t_head(m): one decode step. The first output token of a request comes with its prefill (one
 LM-head row). Attention, norms, sampling and all overhead are left out, so no engine reaches
-it: it is a ceiling to report figures against. Each time is the best of a few repeats.
+it: it is a ceiling to report figures against. Each time is the best of several repeats.
 """
 
 from __future__ import annotations
@@ -48,20 +48,26 @@ class LinearShapes:
         return rows * (layer + (2 * self.head[0] * self.head[1] if with_head else 0))
 
 
-def time_gemms(shapes: tuple[tuple[int, int], ...], rows: int, repeats: int = 5) -> float:
-    """Best-of-`repeats` seconds for one pass of bf16 GEMMs [rows, k] @ [k, n] over `shapes`."""
+def time_gemms(shapes: tuple[tuple[int, int], ...], rows: int, min_repeats: int = 5,
+               budget_s: float = 0.5) -> float:
+    """Best seconds for one pass of bf16 GEMMs [rows, k] @ [k, n] over `shapes`, of at least
+    `min_repeats` passes and as many more as fit in `budget_s` (up to 200): on a busy machine
+    small GEMMs stall on their threads' barriers now and then, and the best pass is the one
+    that did not."""
     import torch
 
     with torch.inference_mode():
         pairs = [(torch.randn(rows, k, dtype=torch.bfloat16),
                   torch.randn(n, k, dtype=torch.bfloat16)) for k, n in shapes]
-        best = float("inf")
-        for i in range(repeats + 2):  # two warm-ups
+        for x, w in pairs * 2:  # warm-up
+            torch.nn.functional.linear(x, w)
+        best, start, repeats = float("inf"), time.perf_counter(), 0
+        while repeats < min_repeats or (time.perf_counter() - start < budget_s
+                                        and repeats < 200):
             t0 = time.perf_counter()
             for x, w in pairs:
                 torch.nn.functional.linear(x, w)
-            if i >= 2:
-                best = min(best, time.perf_counter() - t0)
+            best, repeats = min(best, time.perf_counter() - t0), repeats + 1
     return best
 
 

@@ -33,6 +33,8 @@ def plot_serve_throughput(serve: dict, path: Path) -> None:
         cs = sorted(by_c, key=int)
         ax.plot([int(c) for c in cs], [by_c[c]["output_tokens_per_s"] for c in cs], "o-",
                 label=engine, color=COLORS.get(engine))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(serve["concurrency"], [str(c) for c in serve["concurrency"]])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"serving throughput, {serve['input_len']} in / {serve['output_len']} out")
@@ -54,19 +56,19 @@ def _raw_values(raw_path: str, key: str) -> list[float]:
 
 
 def plot_latency_cdf(serve: dict, key: str, label: str, path: Path) -> None:
-    """Empirical CDF of one per-request latency (`ttft_s` or `tpot_s`), per engine and
-    concurrency (solid: aserve, dashed: the peer)."""
+    """Empirical CDF of one per-request latency (`ttft_s` or `tpot_s`), per engine (colour)
+    and concurrency (line style)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     styles = ["-", "--", ":", "-."]
-    for e, (engine, by_c) in enumerate(serve["engines"].items()):
-        for c in sorted(by_c, key=int):
+    for engine, by_c in serve["engines"].items():
+        for j, c in enumerate(sorted(by_c, key=int)):
             values = _raw_values(by_c[c]["raw"], key)
             if not values:
                 continue
             fractions = [(i + 1) / len(values) for i in range(len(values))]
-            ax.step(values, fractions, where="post", linestyle=styles[e % len(styles)],
-                    label=f"{engine} c={c}")
+            ax.step(values, fractions, where="post", color=COLORS.get(engine),
+                    linestyle=styles[j % len(styles)], label=f"{engine} c={c}")
     ax.set_xlabel(f"{label} (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"{label} distribution")

@@ -165,12 +165,22 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
     lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     out = torch.zeros_like(q) if out is None else out
-    block_size = k_cache.shape[1]
     decodes = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
     if decodes:
         rows = [starts[r] for r in decodes]
         out[rows] = _decode_batch(q, k_cache, v_cache, block_table, rows, decodes,
                                   [lens[r] for r in decodes], scale, sliding_window, soft_cap)
+    attend_chunks(q, k_cache, v_cache, starts, lens, block_table, scale, sliding_window,
+                  soft_cap, out, key, value)
+    return out
+
+
+def attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  starts: list[int], lens: list[int], block_table: torch.Tensor, scale: float,
+                  sliding_window: int | None, soft_cap: float | None, out: torch.Tensor,
+                  key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+    """The rows of requests with more than one query token (prefill chunks), into `out`."""
+    block_size = k_cache.shape[1]
     for r, seq_len in enumerate(lens):
         start, end = starts[r], starts[r + 1]
         if end - start <= 1:
@@ -182,4 +192,3 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         block_ids = block_table[r, : -(-seq_len // block_size)].to(q.device)  # [nblk]
         out[start:end] = _chunk(q[start:end], k_cache, v_cache, block_ids, seq_len, scale,
                                 sliding_window, soft_cap)
-    return out

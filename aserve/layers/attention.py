@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.kernels.paged_attention import paged_attention_ref
+from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 from aserve.kernels.store_kv import store_kv_ref
 
 
@@ -97,12 +98,20 @@ class Attention(nn.Module):
         else:
             m = attn_metadata
             store_kv_ref(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
-            out = paged_attention_ref(
+            out = self._paged_attention(q)(
                 q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
                 m.block_table, self.scale, self.sliding_window, self.soft_cap,
                 query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu,
                 key=k, value=v)
         return out.view(-1, self.num_heads * self.head_dim)  # [T, Hq*D]
+
+    @staticmethod
+    def _paged_attention(q: torch.Tensor):
+        """The C++ decode kernel for low-precision CPU tensors; float32 keeps the torch
+        reference, whose SDPA path is bit-equal to transformers'."""
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            return paged_attention_cpu
+        return paged_attention_ref
 
     def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          attn_metadata: AttentionMetadata) -> torch.Tensor:

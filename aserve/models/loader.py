@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings)
-    return model.eval(), arch
+    return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from aserve.kernels.paged_attention_cpu import load_kernel
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
 from aserve.runner.input_batch import PreparedInputs, prepare_inputs
@@ -28,6 +29,8 @@ class ModelRunner:
         self.block_size = block_size
         self.model, self.arch = load_model(model_config, self.device)
         self.model.eval()
+        if self.device.type == "cpu" and self.arch.dtype != torch.float32:
+            load_kernel()  # build (or load the cached) C++ attention kernel now, not mid-request
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
