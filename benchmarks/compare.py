@@ -90,25 +90,26 @@ def offline_round(args: argparse.Namespace, engine: str) -> dict:
                      "--repeats", "1", *eager], args.offline_timeout, env=peer_env())
 
 
+def offline_figures(engine: str, result: dict) -> dict[str, dict]:
+    """One round's figures per engine from a script's JSON line (aserve's may carry HF's)."""
+    if engine == "vllm":
+        return {"vllm": {"output_tokens_per_s": result["output_tok_s"],
+                         "startup_s": result.get("startup_s")}}
+    figures = {"aserve": {"output_tokens_per_s": result["aserve"]["output_tokens_per_s"],
+                          "startup_s": result["aserve"].get("startup_s")}}
+    if "hf" in result:
+        figures["hf"] = {"output_tokens_per_s": result["hf"]["output_tokens_per_s"]}
+    return figures
+
+
 def run_offline(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {}
     for r in range(args.rounds):
         for engine in rotated(args.engines, r):
             log(f"offline round {r}: {engine}")
             load = loadavg()
-            result = offline_round(args, engine)
-            if engine == "aserve":
-                runs.setdefault("aserve", []).append(
-                    {"output_tokens_per_s": result["aserve"]["output_tokens_per_s"],
-                     "startup_s": result["aserve"].get("startup_s"), "loadavg_1m": load})
-                if "hf" in result:
-                    runs.setdefault("hf", []).append(
-                        {"output_tokens_per_s": result["hf"]["output_tokens_per_s"],
-                         "loadavg_1m": load})
-            else:
-                runs.setdefault("vllm", []).append(
-                    {"output_tokens_per_s": result["output_tok_s"],
-                     "startup_s": result.get("startup_s"), "loadavg_1m": load})
+            for name, figures in offline_figures(engine, offline_round(args, engine)).items():
+                runs.setdefault(name, []).append({**figures, "loadavg_1m": load})
     report: dict = {"num_prompts": args.num_prompts, "input_len": args.input_len,
                     "output_len": args.output_len}
     for engine, rounds in runs.items():
@@ -141,8 +142,9 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         log("$ " + shlex.join(cmd))
+        self.log_file = log_path.open("w")
         self.t_start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log_path.open("w"),
+        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float) -> float:
@@ -169,6 +171,7 @@ class Server:
                 pass
         self._signal(signal.SIGKILL)  # children left behind (vLLM's engine core)
         self.proc.wait()
+        self.log_file.close()
 
     def _signal(self, sig: int) -> None:
         try:
@@ -201,15 +204,15 @@ def serve_round(args: argparse.Namespace, engine: str, r: int, servers: list[Ser
         for c in args.concurrency:
             raw = args.workdir / f"{engine}_c{c}_r{r}.jsonl"
             n = args.serve_num_prompts or 4 * c
-            by_c[str(c)] = run_json(
+            result = run_json(
                 [sys.executable, str(HERE / "serve.py"), "--base-url", server.url,
                  "--tokenizer", args.model, "--prompt-kind", args.prompt_kind, "-n", str(n),
                  "-i", str(args.input_len), "-o", str(args.output_len), "--concurrency", str(c),
                  "--timeout", str(args.request_timeout), "--save-raw", str(raw)],
                 args.request_timeout + 60)
-            by_c[str(c)]["raw"] = str(raw)
-            log(f"{engine} c={c}: {by_c[str(c)]['output_tokens_per_s']} out tok/s, "
-                f"TTFT p50 {by_c[str(c)]['ttft_ms']['p50']} ms")
+            by_c[str(c)] = {**result, "raw": str(raw)}
+            log(f"{engine} c={c}: {result['output_tokens_per_s']} out tok/s, TTFT p50 "
+                f"{result['ttft_ms']['p50']} ms, {result['failed']} failed")
         return {"readiness_s": round(ready, 2), "by_concurrency": by_c, "loadavg_1m": load}
     finally:
         server.stop()
@@ -355,6 +358,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not set(args.engines) <= set(ENGINES):
         raise SystemExit(f"--engines: of {','.join(ENGINES)}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.matmul_limit not in ("auto", "off"):
+        try:
+            float(args.matmul_limit)
+        except ValueError:
+            raise SystemExit("--matmul-limit: auto, off or output tokens/s") from None
     args.peer_python = str(args.peer_venv.expanduser() / "bin" / "python")
     args.model = str(Path(args.model).expanduser().resolve())
     args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="aserve-compare-"))

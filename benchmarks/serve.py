@@ -308,6 +308,10 @@ async def benchmark(args: argparse.Namespace) -> dict:
             limits=httpx.Limits(max_connections=cap, max_keepalive_connections=cap)) as client:
         model = args.model or await served_model_name(client)
         model_dir = Path(args.tokenizer or model)
+        if not (model_dir / "config.json").exists() and (
+                not args.vocab_size or args.prompt_kind == "text"):
+            raise SystemExit(f"{model_dir} is not a model directory: pass --tokenizer DIR"
+                             + (" (or --vocab-size N)" if args.prompt_kind == "ids" else ""))
         vocab_size = args.vocab_size or json.loads(
             (model_dir / "config.json").read_text())["vocab_size"]
         decode = load_decoder(model_dir) if args.prompt_kind == "text" else None
