@@ -199,3 +199,20 @@ def test_max_model_len_beyond_max_position_embeddings_is_refused(llama_dir):
 def test_unknown_dtype_is_refused(llama_dir):
     with pytest.raises(ValueError, match="dtype 'int8'"):
         load(llama_dir, dtype="int8")
+
+
+def test_prepacked_bf16_weights_give_identical_logits(qwen3_dir):
+    from aserve.layers.linear import can_prepack, prepack_linear_weights
+
+    ids = prompt()
+    plain, arch = load(qwen3_dir, dtype="bfloat16")
+    if not can_prepack(plain.lm_head.weight):
+        pytest.skip("oneDNN bf16 GEMMs are not available on this CPU")
+    packed, _ = load(qwen3_dir, dtype="bfloat16")
+    assert prepack_linear_weights(packed) > 0
+    results = []
+    for model in (plain, packed):
+        bind_cache(model, arch, dtype=torch.bfloat16)
+        results.append(torch.cat([step(model, [(ids[:-1], 20, list(range(6)))]),
+                                  step(model, [(ids, 1, list(range(6)))])]))
+    assert torch.equal(results[0], results[1])

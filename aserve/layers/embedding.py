@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from aserve.layers.linear import linear, pack_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -55,7 +56,13 @@ class LMHead(VocabEmbedding):
         """Share the embedding's weight (tied word embeddings)."""
         self.weight = embedding.weight
 
+    packed_weight: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        """A oneDNN-blocked copy for the GEMM; the weight stays (the embedding may share it)."""
+        self.packed_weight = pack_weight(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [N, rows_per_rank]
+        logits = linear(hidden, self.weight, None, self.packed_weight)  # [N, rows_per_rank]
         logits = tp_all_gather(logits, dim=-1)  # [N, rows_per_rank * tp_size]
         return logits[..., : self.num_embeddings]  # [N, vocab_size]

@@ -36,6 +36,26 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's prepacked GEMM: CPU bfloat16 only (bit-equal to F.linear there, 1.1-2x faster
+    for decode-sized batches); float32 keeps F.linear, whose sums transformers' match."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: a batch-size hint
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear`, or oneDNN's GEMM over the prepacked weight when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     """`y = x W^T + b` with a [output_size, input_size] weight on this rank."""
 
@@ -45,13 +65,19 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = _param(output_size, input_size, loader=self.weight_loader)
         self.bias = _param(output_size, loader=self.weight_loader) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # see `prepack_linear_weights`
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
+
+    def prepack(self) -> None:
+        """Keep the weight only in oneDNN's blocked layout (after loading; CPU bf16)."""
+        self.packed_weight = pack_weight(self.weight.data)
+        self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
 
 class ReplicatedLinear(LinearBase):
@@ -142,4 +168,16 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(F.linear(x, self.weight, bias))  # [T, output_size]
+        return tp_all_reduce(linear(x, self.weight, bias, self.packed_weight))  # [T, output]
+
+
+def prepack_linear_weights(model: nn.Module) -> int:
+    """Prepack every linear / LM-head weight that `can_prepack`; returns how many were."""
+    from aserve.layers.embedding import LMHead
+
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase | LMHead) and can_prepack(module.weight):
+            module.prepack()
+            packed += 1
+    return packed

@@ -14,6 +14,7 @@ from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aserve.kernels.paged_attention_cpu import load_kernel
 from aserve.layers.attention import AttentionMetadata
+from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
 from aserve.runner.input_batch import PreparedInputs, prepare_inputs
 from aserve.runner.kv_cache import allocate_kv_caches
@@ -31,6 +32,7 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu" and self.arch.dtype != torch.float32:
             load_kernel()  # build (or load the cached) C++ attention kernel now, not mid-request
+            prepack_linear_weights(self.model)
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
