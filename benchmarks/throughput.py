@@ -34,12 +34,20 @@ def run_aserve(args, prompts: list[list[int]]) -> dict:
     llm.generate([{"prompt_token_ids": p} for p in prompts[: min(4, len(prompts))]],
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.reset_prefix_cache()
+    core = llm.engine_core
+    steps_before, forward_before = core.num_steps, core.forward_seconds
     t0 = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    num_steps = core.num_steps - steps_before
+    forward = core.forward_seconds - forward_before
+    # Engine overhead: everything but the model's forward (schedule, input preparation,
+    # sampling, stop checks, detokenization), per step and as a share of the run.
     return summarize("aserve", len(prompts), num_out, sum(map(len, prompts)), elapsed,
-                     startup_s=round(startup, 2))
+                     startup_s=round(startup, 2), num_steps=num_steps,
+                     overhead_ms_per_step=round(1000 * (elapsed - forward) / num_steps, 3),
+                     overhead_fraction=round((elapsed - forward) / elapsed, 4))
 
 
 def run_hf(args, prompts: list[list[int]]) -> dict:

@@ -23,6 +23,8 @@ def test_throughput_benchmark_compares_with_hf(model_dir_factory):
     assert report["hf"]["output_tokens_per_s"] > 0
     expected = report["aserve"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"]
     assert abs(report["ratio_vs_hf"] - expected) < 0.01
+    assert 0 < report["aserve"]["overhead_fraction"] < 1
+    assert report["aserve"]["num_steps"] >= 8  # at least one step per output token
     for engine in ("aserve", "hf"):
         assert report[engine]["num_requests"] == 8
         assert report[engine]["num_output_tokens"] == 8 * 8  # ignore_eos: every token made

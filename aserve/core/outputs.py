@@ -66,6 +66,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Per request: rows for the prompt tokens this step covered, when it asked for them.
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Wall time of the model itself (forward + logits), to tell engine overhead apart.
+    forward_seconds: float = 0.0
 
 
 @dataclass

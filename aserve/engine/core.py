@@ -48,6 +48,8 @@ class EngineCore:
                 f"{max_model_len}: one request of maximal length could never run. Give the "
                 "cache more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len.")
         self.num_blocks = num_blocks
+        self.num_steps = 0
+        self.forward_seconds = 0.0  # the model's own time, summed over steps
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
                                    args.cache_config(num_blocks))
 
@@ -66,6 +68,8 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        self.num_steps += 1
+        self.forward_seconds += runner_output.forward_seconds
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:

@@ -7,6 +7,8 @@ model, computes logits only where a request samples, and samples.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -75,16 +77,20 @@ class ModelRunner:
         num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
         inputs = prepare_inputs(states, num_scheduled, self.block_size)
 
+        start = time.perf_counter()
         hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                             self._attn_metadata(inputs))  # [num_tokens, hidden_size]
+        forward_seconds = time.perf_counter() - start
         prompt_logprobs = self._prompt_logprobs(states, num_scheduled, inputs, hidden)
 
         sampled: list[int | None] = [None] * len(req_ids)
         logprobs: dict[str, LogprobsLists] = {}
         if inputs.sample_req_indices:
             sample_states = [states[i] for i in inputs.sample_req_indices]
+            start = time.perf_counter()
             logits = self.model.compute_logits(
                 hidden[self._tensor(inputs.logits_indices)])  # [num_sampling, vocab]
+            forward_seconds += time.perf_counter() - start
             metadata = SamplingMetadata.build(sample_states, self.vocab_size, self.device,
                                               generator=self.generator)
             out = self.sampler(logits, metadata)
@@ -99,7 +105,7 @@ class ModelRunner:
                     rows, [sample_states[j].sampling_params.logprobs for j in rows])
                 for j, row in zip(rows, lists):
                     logprobs[sample_states[j].req_id] = row
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, forward_seconds)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
