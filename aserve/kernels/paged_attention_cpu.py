@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
 
 import torch
@@ -136,6 +137,18 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the pip package's binary may not be on it (pyenv shims
+    appear only after a rehash, a venv's bin only when activated)."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
 def load_kernel():
     """The compiled extension module, or None if it cannot be built here."""
     global _module, _failed
@@ -143,6 +156,7 @@ def load_kernel():
         return _module
     from torch.utils.cpp_extension import load_inline
 
+    _put_ninja_on_path()
     key = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     try:
         _module = load_inline(
