@@ -159,13 +159,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the cache back. Rows of `out` past `query_start_loc[R]` (padding) are left untouched (zeros
     when `out` is None).
     """
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
-                         f"{k_cache.shape[2]} kv heads.")
-    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
-    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
-    out = torch.zeros_like(q) if out is None else out
-    decodes = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    starts, lens, decodes, out = batch_layout(q, k_cache, query_start_loc, seq_lens, out,
+                                              query_start_loc_cpu, seq_lens_cpu)
     if decodes:
         rows = [starts[r] for r in decodes]
         out[rows] = _decode_batch(q, k_cache, v_cache, block_table, rows, decodes,
@@ -173,6 +168,21 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     attend_chunks(q, k_cache, v_cache, starts, lens, block_table, scale, sliding_window,
                   soft_cap, out, key, value)
     return out
+
+
+def batch_layout(q: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                 seq_lens: torch.Tensor, out: torch.Tensor | None,
+                 query_start_loc_cpu: list[int] | None, seq_lens_cpu: list[int] | None
+                 ) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+    """Host lists of query starts and sequence lengths, the decode requests (one query row),
+    and the output buffer; checks that the query heads group onto the kv heads."""
+    if q.shape[1] % k_cache.shape[2] != 0:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
+                         f"{k_cache.shape[2]} kv heads.")
+    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
+    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
+    decodes = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    return starts, lens, decodes, torch.zeros_like(q) if out is None else out
 
 
 def attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

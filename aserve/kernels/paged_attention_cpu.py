@@ -23,7 +23,7 @@ import platform
 
 import torch
 
-from aserve.kernels.paged_attention import attend_chunks, paged_attention_ref
+from aserve.kernels.paged_attention import attend_chunks, batch_layout, paged_attention_ref
 
 logger = logging.getLogger(__name__)
 
@@ -185,14 +185,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale, sliding_window,
             soft_cap, out, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
             key=key, value=value)
-    if q.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of "
-                         f"{k_cache.shape[2]} kv heads.")
-    starts = query_start_loc_cpu if query_start_loc_cpu is not None else query_start_loc.tolist()
-    lens = seq_lens_cpu if seq_lens_cpu is not None else seq_lens.tolist()
     q = q.contiguous()
-    out = torch.zeros_like(q) if out is None else out
-    decodes = [r for r in range(len(lens)) if starts[r + 1] - starts[r] == 1]
+    starts, lens, decodes, out = batch_layout(q, k_cache, query_start_loc, seq_lens, out,
+                                              query_start_loc_cpu, seq_lens_cpu)
     if decodes:
         target = out if out.is_contiguous() else torch.empty_like(q)
         module.paged_decode(
