@@ -12,8 +12,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from aserve.engine.outputs import RequestOutput
 from aserve.server.errors import ServerError
 from aserve.server.protocol import (
-    ChatCompletionChoice,
     ChatCompletionRequest,
+    make_id,
+)
+from aserve.server.responses import (
+    ChatCompletionChoice,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -22,7 +25,6 @@ from aserve.server.protocol import (
     UsageInfo,
     chat_logprobs,
     chat_role_chunk,
-    make_id,
 )
 from aserve.server.serving import (
     Generation,

@@ -11,13 +11,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from aserve.engine.outputs import Logprob, RequestOutput
 from aserve.server.protocol import (
-    CompletionChoice,
     CompletionRequest,
+    make_id,
+)
+from aserve.server.responses import (
+    CompletionChoice,
     CompletionResponse,
     CompletionStreamResponse,
     UsageInfo,
     completion_logprobs,
-    make_id,
 )
 from aserve.server.serving import (
     Generation,

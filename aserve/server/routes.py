@@ -11,10 +11,12 @@ from aserve.server.errors import ServerError
 from aserve.server.metrics import CONTENT_TYPE
 from aserve.server.protocol import (
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from aserve.server.responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from aserve.server.serving import check_model, parse_body, running_engine, server_state

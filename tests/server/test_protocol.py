@@ -29,22 +29,24 @@ from aserve.server.errors import (
     validation_error_response,
 )
 from aserve.server.protocol import (
-    ChatCompletionChoice,
     ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from aserve.server.responses import (
+    ChatCompletionChoice,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
     chat_logprobs,
