@@ -38,8 +38,6 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 PromptInput = str | list[str] | list[int] | list[list[int]]
 
-MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
-
 
 def make_id(prefix: str) -> str:
     """A fresh response id: `cmpl-…`, `chatcmpl-…`."""

@@ -13,7 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_serializer
 
 from aserve.engine.outputs import Logprob
-from aserve.server.protocol import MIN_LOGPROB, make_id, unix_now
+from aserve.server.protocol import make_id, unix_now
+
+MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 # ---------------------------------------------------------------------------------------------
 # Responses
