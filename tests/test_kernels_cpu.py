@@ -47,3 +47,52 @@ def test_cpu_kernel_writes_only_decode_rows_of_out():
     assert torch.all(out[q.shape[0]:] == 7.0)
     want = paged_attention_ref(q, kc, vc, starts, lens, table.clamp(min=0), 0.25)
     torch.testing.assert_close(out[: q.shape[0]], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
+    from aserve.kernels import cpu_fused
+
+    if not cpu_fused.load():
+        pytest.skip("no C++ toolchain")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    residual = torch.randn(rows, 576, generator=gen).bfloat16() if with_residual else None
+    w = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    got_x, want_x = x.clone(), x.clone()
+    got_r = residual.clone() if with_residual else None
+    want_r = residual.clone() if with_residual else None
+    cpu_fused.rms_norm(got_x, w, 1e-5, got_r)
+    cpu_fused.rms_norm_ref(want_x, w, 1e-5, want_r)
+    if with_residual:
+        assert torch.equal(got_r, want_r)
+    # float32 sums in another order: at most one bf16 step apart, in very few elements
+    torch.testing.assert_close(got_x, want_x, atol=2e-2, rtol=1e-2)
+    assert (got_x != want_x).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_fused_rope_on_strided_rows_is_bit_equal(rotary_dim):
+    from aserve.kernels import cpu_fused
+    from aserve.layers.rotary import get_rope
+
+    if not cpu_fused.load():
+        pytest.skip("no C++ toolchain")
+    rope = get_rope(64, rotary_dim, 256, 10000.0, None, torch.bfloat16)
+    positions = torch.randint(0, 256, (33,))
+    qkv = torch.randn(33, 9 * 64 + 2 * 3 * 64).bfloat16()
+    q = qkv[:, :576]  # strided rows, as split from the fused qkv projection
+    want = q.clone()
+    cpu_fused.rope_ref(positions, want, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
+    cpu_fused.rope(positions, q, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
+    assert torch.equal(q, want)
+
+
+def test_fused_silu_and_mul_is_bit_equal():
+    from aserve.kernels import cpu_fused
+
+    if not cpu_fused.load():
+        pytest.skip("no C++ toolchain")
+    x = torch.randn(17, 2 * 1536).bfloat16()
+    assert torch.equal(cpu_fused.silu_and_mul(x), cpu_fused.silu_and_mul_ref(x))

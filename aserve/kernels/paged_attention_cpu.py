@@ -125,8 +125,7 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
 }
 """
 
-_module = None
-_failed = False
+_built: dict[str, object] = {}  # extension name -> module, or None when the build failed
 
 
 def _cpu_flags() -> str:
@@ -149,24 +148,30 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
-def load_kernel():
-    """The compiled extension module, or None if it cannot be built here."""
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
+def build_extension(name: str, source: str, functions: list[str]):
+    """Compile (or load the cached build of) a C++ extension for this CPU; None if it cannot
+    be built here (no compiler or ninja), with one warning."""
+    if name in _built:
+        return _built[name]
     from torch.utils.cpp_extension import load_inline
 
     _put_ninja_on_path()
-    key = hashlib.sha256((_SOURCE + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
     try:
-        _module = load_inline(
-            name=f"aserve_cpu_attention_{key}", cpp_sources=[_SOURCE], functions=["paged_decode"],
+        module = load_inline(
+            name=f"{name}_{key}", cpp_sources=[source], functions=functions,
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the reference still works
-        _failed = True
-        logger.warning("The C++ CPU attention kernel could not be built (%s); using the torch "
-                       "reference instead.", e)
-    return _module
+    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the references still work
+        module = None
+        logger.warning("The C++ CPU extension %s could not be built (%s); using the torch "
+                       "references instead.", name, e)
+    _built[name] = module
+    return module
+
+
+def load_kernel():
+    """The compiled attention extension, or None if it cannot be built here."""
+    return build_extension("aserve_cpu_attention", _SOURCE, ["paged_decode"])
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

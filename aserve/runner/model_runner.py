@@ -14,6 +14,7 @@ import torch
 
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from aserve.kernels import cpu_fused
 from aserve.kernels.paged_attention_cpu import load_kernel
 from aserve.layers.attention import AttentionMetadata
 from aserve.layers.linear import prepack_linear_weights
@@ -33,7 +34,8 @@ class ModelRunner:
         self.model, self.arch = load_model(model_config, self.device)
         self.model.eval()
         if self.device.type == "cpu" and self.arch.dtype != torch.float32:
-            load_kernel()  # build (or load the cached) C++ attention kernel now, not mid-request
+            load_kernel()  # build (or load the cached) C++ kernels now, not mid-request
+            cpu_fused.load()
             prepack_linear_weights(self.model)
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler()

@@ -1,0 +1,147 @@
+"""Fused bfloat16 element-wise ops for CPU: residual-add + RMSNorm, RoPE (neox style), SiLU-and-mul.
+
+At decode batch sizes a layer's element-wise work is a dozen tiny torch ops each, and their
+dispatch costs more than their arithmetic; here each is one C++ loop. Every op rounds to
+bfloat16 where the torch formulation (its `*_ref` twin below) does, so results match it to the
+last bit in almost every element (float32 reductions may differ in order). Built on first use
+like `paged_attention_cpu`; `available()` is False where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.kernels.paged_attention_cpu import build_extension
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+
+using bf16 = at::BFloat16;
+static inline float f(bf16 v) { return static_cast<float>(v); }
+
+// residual = bf16(x + residual); x = bf16(w * bf16(residual * rsqrt(mean(residual^2) + eps)))
+// (without a residual: x = the norm of x). Rows of `hidden` elements, contiguous.
+void rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight,
+              double eps) {
+  const int64_t n = weight.size(0), rows = x.numel() / n;
+  bf16* xp = x.data_ptr<bf16>();
+  bf16* rp = residual.has_value() ? residual->data_ptr<bf16>() : nullptr;
+  const bf16* wp = weight.data_ptr<bf16>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      bf16* xr = xp + r * n;
+      bf16* src = xr;
+      if (rp != nullptr) {
+        bf16* rr = rp + r * n;
+        for (int64_t i = 0; i < n; ++i) rr[i] = bf16(f(xr[i]) + f(rr[i]));
+        src = rr;
+      }
+      float ss = 0.f;
+      for (int64_t i = 0; i < n; ++i) ss += f(src[i]) * f(src[i]);
+      const float inv = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) xr[i] = bf16(f(wp[i]) * f(bf16(f(src[i]) * inv)));
+    }
+  });
+}
+
+// In place on rows x[t, h*head_dim : ...] (row stride given): neox RoPE over the first
+// `rot` dims with cos/sin caches [max_pos, rot] (their halves repeat).
+void rope(torch::Tensor positions, torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+          int64_t head_dim, int64_t rot) {
+  const int64_t tokens = x.size(0), heads = x.size(1) / head_dim, stride = x.stride(0);
+  const int64_t half = rot / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  bf16* xp = x.data_ptr<bf16>();
+  const bf16* cp = cos.data_ptr<bf16>();
+  const bf16* sp = sin.data_ptr<bf16>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* c = cp + pos[t] * rot;
+      const bf16* s = sp + pos[t] * rot;
+      for (int64_t h = 0; h < heads; ++h) {
+        bf16* v = xp + t * stride + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = f(v[i]), x2 = f(v[i + half]);
+          v[i] = bf16(f(bf16(x1 * f(c[i]))) + f(bf16(-x2 * f(s[i]))));
+          v[i + half] = bf16(f(bf16(x2 * f(c[i + half]))) + f(bf16(x1 * f(s[i + half]))));
+        }
+      }
+    }
+  });
+}
+
+// out[t, i] = bf16(bf16(silu(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous.
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* g = xp + r * 2 * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float a = f(g[i]);
+        op[r * d + i] = bf16(f(bf16(a / (1.f + std::exp(-a)))) * f(g[d + i]));
+      }
+    }
+  });
+}
+"""
+
+_FUNCTIONS = ["rms_norm", "rope", "silu_and_mul"]
+
+
+def _module():
+    return build_extension("aserve_cpu_fused", _SOURCE, _FUNCTIONS)
+
+
+def load() -> bool:
+    """Build (or load the cached build) now; whether the fused ops are available."""
+    return _module() is not None
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the fused ops apply: a contiguous CPU bfloat16 tensor, and the build works."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _module() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> None:
+    """In place: `residual += x` (bf16) and `x = norm(residual)`; or `x = norm(x)`."""
+    _module().rms_norm(x, residual, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> None:
+    if residual is not None:
+        residual.add_(x)
+        x.copy_(residual)
+    x32 = x.float()
+    x.copy_(weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
+
+
+def rope(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         head_dim: int, rotary_dim: int) -> None:
+    """In place on x [T, H * head_dim] (rows may be strided)."""
+    _module().rope(positions, x, cos, sin, head_dim, rotary_dim)
+
+
+def rope_ref(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             head_dim: int, rotary_dim: int) -> None:
+    rows = x.view(x.shape[0], -1, head_dim)[..., :rotary_dim]  # [T, H, rot], a view of x
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, rot]
+    x1, x2 = rows.chunk(2, dim=-1)
+    rows.copy_(rows * c + torch.cat((-x2, x1), dim=-1) * s)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2d] = [gate | up] -> silu(gate) * up, [T, d]."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    _module().silu_and_mul(out, x)
+    return out
