@@ -2,8 +2,9 @@
 
 The runner allocates each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`
 and binds it to `Attention.kv_cache`; until then (memory profiling) the layer runs plain causal
-attention inside each request's rows. Kernels are the torch references for now; the backend
-choice (Triton on CUDA/ROCm) arrives with `aserve/backends`.
+attention inside each request's rows. On CPU, bf16/fp16 decode rows go through the C++ kernel
+(`paged_attention_cpu`), everything else through the torch reference; that choice moves into
+`aserve/backends` (with Triton on CUDA/ROCm) in a later change.
 """
 
 from __future__ import annotations
