@@ -36,12 +36,9 @@ from aserve.server.serving import (
     running_engine,
     sampling_params_for,
     server_state,
-    sse,
-    sse_error,
+    sse_events,
     start_generations,
 )
-
-DONE = "data: [DONE]\n\n"
 
 
 def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
@@ -68,7 +65,8 @@ async def create_chat_completion(request: Request) -> Response:
                                           body.priority)
     view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer)
     if body.stream:
-        return StreamingResponse(view.stream(generations), media_type="text/event-stream")
+        return StreamingResponse(sse_events(view.stream(generations)),
+                                 media_type="text/event-stream")
     results = await collect_or_abort(request, generations)
     return JSONResponse(view.response(generations[0], results[0]).model_dump())
 
@@ -118,34 +116,31 @@ class ChatView:
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
                                       usage=usage, prompt_logprobs=prompt_logprobs)
 
-    async def stream(self, generations: list[Generation]) -> AsyncIterator[str]:
+    async def stream(self, generations: list[Generation]
+                     ) -> AsyncIterator[ChatCompletionStreamResponse]:
         created = ChatCompletionStreamResponse(model=self.model, choices=[]).created
         num_prompt = len(generations[0].prompt.prompt_token_ids)
         num_generated = 0
-        try:
-            for k in range(self.n):
-                yield sse(chat_role_chunk(self.request_id, self.model, created, k))
-            echoed: set[int] = set()
-            async for _, output in merged_outputs(generations):
-                for delta in output.outputs:
-                    text = delta.text
-                    if delta.index not in echoed:
-                        echoed.add(delta.index)
-                        text = self.echo + text
-                    num_generated += len(delta.token_ids)
-                    usage = (UsageInfo.of(num_prompt, num_generated)
-                             if self.body.continuous_usage_stats else None)
-                    choice = ChatCompletionStreamChoice(
-                        index=delta.index, delta=DeltaMessage(content=text),
-                        logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
-                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                    yield sse(ChatCompletionStreamResponse(
-                        id=self.request_id, created=created, model=self.model,
-                        choices=[choice], usage=usage))
-            if self.body.include_usage:
-                yield sse(ChatCompletionStreamResponse(
-                    id=self.request_id, created=created, model=self.model, choices=[],
-                    usage=UsageInfo.of(num_prompt, num_generated)))
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse_error(e)
-        yield DONE
+        for k in range(self.n):
+            yield chat_role_chunk(self.request_id, self.model, created, k)
+        echoed: set[int] = set()
+        async for _, output in merged_outputs(generations):
+            for delta in output.outputs:
+                text = delta.text
+                if delta.index not in echoed:
+                    echoed.add(delta.index)
+                    text = self.echo + text
+                num_generated += len(delta.token_ids)
+                usage = (UsageInfo.of(num_prompt, num_generated)
+                         if self.body.continuous_usage_stats else None)
+                choice = ChatCompletionStreamChoice(
+                    index=delta.index, delta=DeltaMessage(content=text),
+                    logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
+                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                yield ChatCompletionStreamResponse(
+                    id=self.request_id, created=created, model=self.model,
+                    choices=[choice], usage=usage)
+        if self.body.include_usage:
+            yield ChatCompletionStreamResponse(
+                id=self.request_id, created=created, model=self.model, choices=[],
+                usage=UsageInfo.of(num_prompt, num_generated))

@@ -31,12 +31,9 @@ from aserve.server.serving import (
     running_engine,
     sampling_params_for,
     server_state,
-    sse,
-    sse_error,
+    sse_events,
     start_generations,
 )
-
-DONE = "data: [DONE]\n\n"
 
 
 @dataclass
@@ -62,7 +59,8 @@ async def create_completion(request: Request) -> Response:
                                           body.priority)
     view = CompletionView(body, server_state(request).model_name, request_id, engine.tokenizer)
     if body.stream:
-        return StreamingResponse(view.stream(generations), media_type="text/event-stream")
+        return StreamingResponse(sse_events(view.stream(generations)),
+                                 media_type="text/event-stream")
     results = await collect_or_abort(request, generations)
     return JSONResponse(view.response(generations, results).model_dump())
 
@@ -125,40 +123,36 @@ class CompletionView:
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
                                   usage=UsageInfo.of(num_prompt, num_generated))
 
-    async def stream(self, generations: list[Generation]) -> AsyncIterator[str]:
+    async def stream(self, generations: list[Generation]
+                     ) -> AsyncIterator[CompletionStreamResponse]:
         created = CompletionStreamResponse(model=self.model, choices=[]).created
         sent_chars: dict[int, int] = {}
         prompt_logprobs: dict[int, list] = {}  # per generation: arrives with its first delta
         num_prompt = sum(len(g.prompt.prompt_token_ids) for g in generations)
         num_generated = 0
-        try:
-            async for gi, output in merged_outputs(generations):
-                if output.prompt_logprobs is not None:
-                    prompt_logprobs[gi] = output.prompt_logprobs
-                for delta in output.outputs:
-                    index = gi * self.n + delta.index
-                    text, ids = delta.text, delta.token_ids
-                    logprobs = delta.logprobs or [None] * len(ids)
-                    if index not in sent_chars:
-                        prefix, prefix_ids, prefix_logprobs = self.echo_prefix(
-                            generations[gi], prompt_logprobs.get(gi))
-                        text, ids = prefix + text, prefix_ids + ids
-                        logprobs = prefix_logprobs + logprobs
-                    offset = sent_chars.get(index, 0)
-                    sent_chars[index] = offset + len(text)
-                    num_generated += len(delta.token_ids)
-                    usage = (UsageInfo.of(num_prompt, num_generated)
-                             if self.body.continuous_usage_stats else None)
-                    choice = CompletionChoice(
-                        index=index, text=text, logprobs=self.logprobs_of(ids, logprobs, offset),
-                        finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
-                    yield sse(CompletionStreamResponse(id=self.request_id, created=created,
-                                                       model=self.model, choices=[choice],
-                                                       usage=usage))
-            if self.body.include_usage:
-                yield sse(CompletionStreamResponse(
-                    id=self.request_id, created=created, model=self.model, choices=[],
-                    usage=UsageInfo.of(num_prompt, num_generated)))
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield sse_error(e)
-        yield DONE
+        async for gi, output in merged_outputs(generations):
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[gi] = output.prompt_logprobs
+            for delta in output.outputs:
+                index = gi * self.n + delta.index
+                text, ids = delta.text, delta.token_ids
+                logprobs = delta.logprobs or [None] * len(ids)
+                if index not in sent_chars:
+                    prefix, prefix_ids, prefix_logprobs = self.echo_prefix(
+                        generations[gi], prompt_logprobs.get(gi))
+                    text, ids = prefix + text, prefix_ids + ids
+                    logprobs = prefix_logprobs + logprobs
+                offset = sent_chars.get(index, 0)
+                sent_chars[index] = offset + len(text)
+                num_generated += len(delta.token_ids)
+                usage = (UsageInfo.of(num_prompt, num_generated)
+                         if self.body.continuous_usage_stats else None)
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=self.logprobs_of(ids, logprobs, offset),
+                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                yield CompletionStreamResponse(id=self.request_id, created=created,
+                                               model=self.model, choices=[choice], usage=usage)
+        if self.body.include_usage:
+            yield CompletionStreamResponse(
+                id=self.request_id, created=created, model=self.model, choices=[],
+                usage=UsageInfo.of(num_prompt, num_generated))

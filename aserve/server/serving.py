@@ -186,6 +186,20 @@ async def collect_or_abort(request: Request, generations: list[Generation]
     return results
 
 
+DONE = "data: [DONE]\n\n"
+
+
+async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """A server-sent-event body: each chunk as `data: {...}`; a failure after the stream has
+    started is reported in-band (the status is already sent); then `data: [DONE]`."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except Exception as e:  # noqa: BLE001 - reported to the client in the stream
+        yield sse_error(e)
+    yield DONE
+
+
 def sse(payload: BaseModel | str) -> str:
     data = payload if isinstance(payload, str) else payload.model_dump_json()
     return f"data: {data}\n\n"
