@@ -16,6 +16,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
     policy: str = "fcfs"  # "fcfs" | "priority"
+    # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
+    # with a placeholder for the token it has not received yet (see Scheduler).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -1,6 +1,7 @@
 """Greedy output equals HF transformers token for token (float32), whatever the schedule:
 small token budgets (chunked prefill), a KV cache so small that requests are preempted and
-recomputed, prefix-cache hits, one sequence at a time — for every supported architecture."""
+recomputed, prefix-cache hits, one sequence at a time — for every supported architecture, with
+async scheduling (the default) and without."""
 
 from __future__ import annotations
 
@@ -67,6 +68,16 @@ def test_greedy_matches_hf_with_chunked_prefill_budget_16(reference):
 def test_greedy_matches_hf_under_preemption(reference):
     model_dir, prompts, expected, _ = reference
     llm = LLM(model_dir, dtype="float32", max_model_len=128, num_kv_blocks=12, block_size=16)
+    assert generate_ids(llm, prompts) == expected
+    assert llm.stats().num_preemptions > 0
+
+
+def test_greedy_matches_hf_without_async_scheduling(reference):
+    """The default (above) overlaps scheduling with the forward; the plain loop must agree too,
+    under chunking and preemption."""
+    model_dir, prompts, expected, _ = reference
+    llm = LLM(model_dir, dtype="float32", max_model_len=128, num_kv_blocks=12, block_size=16,
+              max_num_batched_tokens=24, async_scheduling=False)
     assert generate_ids(llm, prompts) == expected
     assert llm.stats().num_preemptions > 0
 

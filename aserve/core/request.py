@@ -56,6 +56,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps in flight, not yet received (async scheduling only): the
+        # request's next token is already scheduled though its id is known to the runner only.
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1: not yet
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order

@@ -100,12 +100,21 @@ class Scheduler:
 
         output = self._make_output(num_scheduled, new_block_ids, resumed_or_new, preempted)
         for req_id, num_tokens in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if self.config.async_scheduling and request.num_computed_tokens == (
+                    request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # it samples: a token is on its way
         self._last_output = output
         return output
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
-        num_new = request.num_tokens - num_computed
+        """Tokens to give `request` this step: 0 when it must wait for tokens in flight."""
+        num_pending = request.num_output_placeholders
+        if num_pending and (request.num_output_tokens + num_pending >= request.max_tokens
+                            or request.num_tokens + num_pending >= self.config.max_model_len):
+            return 0  # the token in flight is its last one, whatever it is
+        num_new = request.num_tokens + num_pending - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -121,6 +130,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self._pick_victim()
@@ -150,6 +162,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -209,11 +222,13 @@ class Scheduler:
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if prompt_logprobs is not None:
                 prompt_logprobs = self._drop_resent_prompt_logprobs(
-                    request, prompt_logprobs, scheduler_output.num_scheduled_tokens[req_id])
+                    request, prompt_logprobs, _num_computed_before(scheduler_output, req_id))
             if token_id is None:
                 if prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(req_id, [], None, prompt_logprobs))
                 continue
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token_ids([token_id])
             if self._check_stop(request, token_id):
                 self.running.remove(request)
@@ -224,9 +239,9 @@ class Scheduler:
         return outputs
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
-                                     num_scheduled: int) -> LogprobsLists | None:
-        """Drop rows sent before a preemption: a resumed request recomputes its prompt."""
-        start = request.num_computed_tokens - num_scheduled  # row i is prompt position start + i
+                                     start: int) -> LogprobsLists | None:
+        """Drop rows sent before a preemption: a resumed request recomputes its prompt.
+        Row i is prompt position start + i."""
         num_sent = self.num_prompt_logprobs_sent.get(request.request_id, 0)
         self.num_prompt_logprobs_sent[request.request_id] = max(num_sent, start + len(rows.ranks))
         skip = max(0, num_sent - start)
@@ -280,11 +295,25 @@ class Scheduler:
             assert request.status == RequestStatus.RUNNING, request
             covered = len(kv.get_block_ids(request.request_id)) * self.block_size
             assert request.num_computed_tokens <= covered, f"blocks do not cover {request}"
-            assert request.num_computed_tokens <= request.num_tokens, request
+            assert request.num_computed_tokens <= (
+                request.num_tokens + request.num_output_placeholders), request
+            assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert not kv.get_block_ids(request.request_id), f"waiting {request} holds blocks"
+            assert request.num_output_placeholders == 0, request
         output = self._last_output
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
             assert len(output.num_scheduled_tokens) <= self.config.max_num_seqs
+
+
+def _num_computed_before(scheduler_output: SchedulerOutput, req_id: str) -> int:
+    """How many tokens `req_id` had computed when `scheduler_output` was made."""
+    for data in scheduler_output.scheduled_cached_reqs:
+        if data.req_id == req_id:
+            return data.num_computed_tokens
+    for new in scheduler_output.scheduled_new_reqs:
+        if new.req_id == req_id:
+            return new.num_computed_tokens
+    raise KeyError(req_id)

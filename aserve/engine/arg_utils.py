@@ -19,6 +19,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 4096
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory: int = 2 * GiB  # bytes for the KV cache (CPU); num_kv_blocks overrides
@@ -39,6 +40,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
         )
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

@@ -10,9 +10,15 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from aserve.config import ModelInfo
-from aserve.core.outputs import EngineCoreOutput, SchedulerStats
+from aserve.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
 from aserve.engine.arg_utils import EngineArgs
@@ -52,6 +58,8 @@ class EngineCore:
         self.forward_seconds = 0.0  # the model's own time, summed over steps
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
                                    args.cache_config(num_blocks))
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -63,11 +71,39 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or a step in flight whose outputs are still to collect."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_overlapped()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list[EngineCoreOutput]:
+        """Schedule step N+1 while step N runs in the worker thread, start N+1 as soon as N
+        is done, then turn N's tokens into outputs while N+1 runs.
+
+            engine thread:  schedule N+1 | wait N | submit N+1 | update N, publish | schedule N+2
+            worker thread:  ====== forward N =====|============ forward N+1 ==================
+        """
+        scheduler_output = None
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+        in_flight, self._in_flight = self._in_flight, None
+        runner_output = in_flight[1].result() if in_flight is not None else None
+        if scheduler_output is not None:
+            self._in_flight = (scheduler_output, self.executor.submit(scheduler_output))
+        if in_flight is None:
+            return []
+        return self._update(in_flight[0], runner_output)
+
+    def _update(self, scheduler_output: SchedulerOutput,
+                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.num_steps += 1
         self.forward_seconds += runner_output.forward_seconds
         return self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -79,13 +115,13 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        self.executor.shutdown()  # waits for a step in flight
 
     def run_busy_loop(self, inbox: queue.SimpleQueue[Command],
                       publish: Callable[[EngineMessage], None]) -> None:
         """Serve commands and step until `Shutdown`. Blocks on the inbox only when idle."""
         while True:
-            commands = [inbox.get()] if not self.has_unfinished_requests() else []
+            commands = [inbox.get()] if not self.has_work() else []
             while True:
                 try:
                     commands.append(inbox.get_nowait())

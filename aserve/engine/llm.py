@@ -90,7 +90,7 @@ class LLM:
     def _run_engine(self) -> list[RequestOutput]:
         finished: list[RequestOutput] = []
         while self.output_processor.has_unfinished_requests():
-            if not self.engine_core.has_unfinished_requests():
+            if not self.engine_core.has_work():
                 raise RuntimeError("The engine finished every request but some outputs are "
                                    "missing: this is a bug in aserve.")
             outputs = self.engine_core.step()

@@ -1,6 +1,13 @@
-"""The executor for one rank: the worker lives in the engine thread and is called directly."""
+"""The executor for one rank: the worker is called directly, or from one worker thread.
+
+`execute_model` runs a step in the calling (engine) thread. `submit` hands it to the single
+"aserve-worker" thread and returns a future, so that the engine can schedule the next step while
+this one runs (async scheduling); steps still run one at a time, in submission order.
+"""
 
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from aserve.config import ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -10,6 +17,7 @@ from aserve.runner.worker import Worker
 class UniProcExecutor:
     def __init__(self, model_config: ModelConfig, block_size: int, device: str = "cpu") -> None:
         self.worker = Worker(model_config, block_size, device)
+        self._thread: ThreadPoolExecutor | None = None
 
     def model_info(self) -> ModelInfo:
         return self.worker.model_info()
@@ -25,5 +33,12 @@ class UniProcExecutor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
+        return self._thread.submit(self.execute_model, scheduler_output)
+
     def shutdown(self) -> None:
-        pass
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -16,6 +16,10 @@ real runner silently relies on:
   request's own tokens, so a prefix hit or a resumption never reads a block that nobody wrote or
   that someone else overwrote;
 - every block in the prefix cache holds exactly the tokens its hash names.
+
+With `async_scheduling` on, step N's tokens reach the scheduler only after step N+1 has been
+scheduled and executed (as in the engine, where N+1 runs while N's outputs are processed): the
+runner's token list then runs ahead of the scheduler's by the tokens in flight.
 """
 
 from __future__ import annotations
@@ -69,16 +73,21 @@ class FakeRunner:
         self.finish_reasons: dict[str, str] = {}
         self.stop_reasons: dict[str, int | str | None] = {}
         self.num_steps = 0
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
 
     # ------------------------------------------------------------------ driving
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """Schedule and execute one step; return its schedule and the outputs the scheduler
+        produced this step (of this step, or of the previous one with async scheduling)."""
         scheduler = self.scheduler
         output = scheduler.schedule()
         scheduler.check_invariants()
         self.check_schedule(output)
-        runner_output = self.execute(output)
-        outputs = scheduler.update_from_output(output, runner_output)
+        done = (output, self.execute(output))
+        if scheduler.config.async_scheduling:
+            done, self.in_flight = self.in_flight, done
+        outputs = scheduler.update_from_output(*done) if done is not None else []
         scheduler.check_invariants()
         for out in outputs:
             self.streamed.setdefault(out.req_id, []).extend(out.new_token_ids)
@@ -94,6 +103,7 @@ class FakeRunner:
     def run_until_done(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
+                self.in_flight = None  # only tokens of finished requests, which are dropped
                 return
             self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")
@@ -119,7 +129,8 @@ class FakeRunner:
             if config.long_prefill_token_threshold:
                 assert num_tokens <= config.long_prefill_token_threshold
             assert request.status == RequestStatus.RUNNING
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= (
+                request.num_tokens + request.num_output_placeholders)
             covered = len(kv.get_block_ids(req_id)) * self.block_size
             assert covered >= request.num_computed_tokens, f"blocks do not cover {request}"
 
@@ -168,7 +179,9 @@ class FakeRunner:
     def _compute(self, req_id: str, num_tokens: int) -> LogprobsLists | None:
         """Write the K/V of the scheduled tokens; return the prompt-logprobs rows they give."""
         state, request = self.states[req_id], self.scheduler.requests[req_id]
-        assert state.tokens == request.all_token_ids, f"runner and scheduler disagree on {req_id}"
+        known = request.num_tokens  # the runner may hold tokens still in flight to the scheduler
+        assert state.tokens[:known] == request.all_token_ids, f"runner, scheduler differ: {req_id}"
+        assert len(state.tokens) <= known + request.num_output_placeholders
         assert state.block_ids == self.scheduler.kv_cache_manager.get_block_ids(req_id)
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
         assert end == request.num_computed_tokens <= len(state.tokens)

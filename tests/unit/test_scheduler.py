@@ -22,11 +22,11 @@ EOS = 0
 
 def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_num_seqs: int = 16,
                    max_model_len: int = 64, threshold: int = 0, policy: str = "fcfs",
-                   caching: bool = True) -> Scheduler:
+                   caching: bool = True, async_scheduling: bool = False) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-                        policy=policy),
+                        policy=policy, async_scheduling=async_scheduling),
         CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching))
 
 
@@ -569,3 +569,55 @@ def test_has_unfinished_requests_and_stats_track_queues() -> None:
     assert_finished_cleanly(runner)
     stats = scheduler.make_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage) == (0, 0, 0.0)
+
+
+# ---------------------------------------------------------------------- async scheduling
+
+
+def test_async_schedules_a_decode_before_its_previous_token_arrives() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    request = make_request("a", tokens(1, 6), max_tokens=5, ignore_eos=True)
+    scheduler.add_request(request)
+    first = scheduler.schedule()  # the prompt: it samples, so a token is now in flight
+    assert first.num_scheduled_tokens == {"a": 6}
+    assert request.num_output_placeholders == 1 and request.num_tokens == 6
+    second = scheduler.schedule()  # scheduled again with nothing received yet
+    assert second.num_scheduled_tokens == {"a": 1}
+    assert request.num_computed_tokens == 7 and request.num_output_placeholders == 2
+    scheduler.check_invariants()
+
+
+def test_async_never_schedules_past_max_tokens_or_max_model_len() -> None:
+    for params, max_model_len in (({"max_tokens": 3}, 64), ({"max_tokens": 50}, 10)):
+        scheduler = make_scheduler(async_scheduling=True, max_model_len=max_model_len)
+        runner = make_runner(scheduler, make_request("a", tokens(1, 7), ignore_eos=True,
+                                                     **params))
+        scheduled = []
+        while scheduler.has_unfinished_requests():
+            output, _ = runner.step()
+            scheduled.append(output.num_scheduled_tokens.get("a", 0))
+        assert runner.streamed["a"] == [100 + p for p in range(7, 10)]
+        assert runner.finish_reasons["a"] == "length"
+        # prompt, then one token per step, the last step waiting on the final token in flight
+        assert scheduled == [7, 1, 1, 0]
+
+
+def test_async_finished_request_drops_the_token_already_in_flight() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    runner = make_runner(scheduler, make_request("a", tokens(1, 5)),
+                         token_fn=scripted({("a", 6): EOS}))
+    runner.run_until_done()
+    assert runner.streamed["a"] == [105, EOS] and runner.finish_reasons["a"] == "stop"
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+    final, _ = runner.step()
+    assert final.finished_req_ids == {"a"} and not runner.states
+
+
+def test_async_preempted_request_resamples_the_token_it_had_in_flight() -> None:
+    scheduler = make_scheduler(num_blocks=4, async_scheduling=True, max_model_len=16)
+    runner = make_runner(scheduler, make_request("a", tokens(1, 7), max_tokens=8),
+                         make_request("b", tokens(20, 7), max_tokens=8))
+    runner.run_until_done()
+    assert scheduler.num_preemptions > 0
+    assert runner.streamed["a"] == [100 + p for p in range(7, 15)]
+    assert runner.streamed["b"] == [100 + p for p in range(7, 15)]

@@ -1,10 +1,11 @@
 """Random workloads under memory pressure: the scheduler always drains, and recompute is exact.
 
 Hypothesis draws a configuration (policy, block size, a cache a few blocks above one request of
-`max_model_len`, token budget, `max_num_seqs`, chunk threshold, prefix caching on or off) and a
-workload (arrivals over time, prompts sharing prefixes so the cache hits, max/min tokens,
-ignore_eos, stop tokens, priorities, salts, aborts). `FakeRunner` checks every step: invariants,
-budget and sequence limits, block coverage, and the K/V each request would attend to.
+`max_model_len`, token budget, `max_num_seqs`, chunk threshold, prefix caching and async
+scheduling on or off) and a workload (arrivals over time, prompts sharing prefixes so the cache
+hits, max/min tokens, ignore_eos, stop tokens, priorities, salts, aborts). `FakeRunner` checks
+every step: invariants, budget and sequence limits, block coverage, and the K/V each request
+would attend to.
 
 At the end every request has finished, every block is free, and each request streamed exactly
 the tokens it streams when run alone (and that an oracle of the stop rules predicts), and its
@@ -91,6 +92,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         max_model_len=max_model_len,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 5])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        async_scheduling=draw(st.booleans()),
     )
     cache_config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                                enable_prefix_caching=draw(st.sampled_from([True, True, False])))
@@ -177,7 +179,8 @@ def test_random_workloads_drain_and_match_running_alone(scenario: Scenario) -> N
     check_scenario(scenario)
 
 
-def inverted_priority_workload(rng: random.Random, trial: int, policy: str) -> Scenario:
+def inverted_priority_workload(rng: random.Random, trial: int, policy: str,
+                               async_scheduling: bool) -> Scenario:
     """A long, least urgent prompt arrives first and is prefilled in small chunks; short, more
     urgent requests sharing its prefix arrive next and decode beside it in a nearly full cache."""
     block_size, max_model_len = rng.choice([1, 2, 4]), 24
@@ -191,7 +194,8 @@ def inverted_priority_workload(rng: random.Random, trial: int, policy: str) -> S
                           rng.randrange(4, 12), 0, True, (), None, None))
     return Scenario(
         SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, max_model_len=max_model_len,
-                        long_prefill_token_threshold=3, policy=policy),
+                        long_prefill_token_threshold=3, policy=policy,
+                        async_scheduling=async_scheduling),
         CacheConfig(block_size=block_size,
                     num_blocks=max_model_len // block_size + rng.choice([0, 1, 2])),
         tuple(specs))
@@ -203,5 +207,6 @@ def test_seeded_inverted_priority_workloads_preempt_and_still_match() -> None:
     num_preemptions = 0
     for trial in range(40):
         policy = ("priority", "fcfs")[trial % 4 == 3]
-        num_preemptions += check_scenario(inverted_priority_workload(rng, trial, policy))
+        num_preemptions += check_scenario(
+            inverted_priority_workload(rng, trial, policy, async_scheduling=trial % 2 == 1))
     assert num_preemptions >= 40
