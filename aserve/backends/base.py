@@ -1,0 +1,101 @@
+"""The `Platform` interface: everything the rest of aserve may ask of a device kind.
+
+One adapter per kind implements it (`cuda.py`, `rocm.py`, `xla.py`, `cpu.py`); `aserve.backends`
+picks one. This module holds the contract and the few defaults every kind shares, nothing that
+touches a particular device.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a platform's availability check found.
+
+    available: whether this process can run on the platform.
+    detail: what was checked and what it returned, in words, e.g.
+        "torch.cuda.is_available() is False (torch 2.6.0+cpu, built without CUDA)";
+        selection errors quote it so that the user sees why a device was refused.
+    """
+
+    available: bool
+    detail: str
+
+
+class Platform(ABC):
+    """One device kind (cuda, rocm, xla, cpu) as the runner, layers and distributed see it.
+
+    Class-level facts (the same for every device of the kind):
+        name: "cuda" | "rocm" | "xla" | "cpu", as spelled by `--device`.
+        dist_backend: torch.distributed backend for process groups: "nccl" (RCCL on ROCm under
+            the same name), "gloo" or "xla".
+        attention_backend: which paged-attention implementation the attention layer runs:
+            "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
+            decode rows, the torch reference otherwise) or "ref" (the torch reference only).
+        supports_graphs: whether decode batches may be captured as CUDA/HIP graphs.
+
+    Contract:
+        - `probe()` is a static method that never raises and has no side effect beyond importing
+          the platform's torch extension (torch_xla); selection calls it, tests replace it.
+        - Constructing a platform does not touch the device; only the methods below do.
+        - `device_for_rank(local_rank)` is the torch device the rank on this node owns; it raises
+          ValueError when there is no such device. `set_device` makes it the rank's current device.
+        - `mem_info(device)` is (free_bytes, total_bytes) right now, free <= total, both ints.
+        - `synchronize(device)` returns once queued work on the device has finished.
+        - `empty_cache()` hands cached, unused device memory back; a no-op where there is none.
+        - `default_kv_cache_bytes()` is a KV-cache budget for platforms that cannot size the cache
+          by profiling device memory, or None where the runner should profile.
+    """
+
+    name: ClassVar[str]
+    dist_backend: ClassVar[str]
+    attention_backend: ClassVar[str]
+    supports_graphs: ClassVar[bool] = False
+
+    @staticmethod
+    @abstractmethod
+    def probe() -> Probe:
+        """Whether this process can use the platform, and what was checked to decide."""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.probe().available
+
+    @abstractmethod
+    def device_for_rank(self, local_rank: int) -> torch.device:
+        """The torch device owned by the rank with this node-local index."""
+
+    @abstractmethod
+    def mem_info(self, device: torch.device | None = None) -> tuple[int, int]:
+        """(free_bytes, total_bytes) of the device's memory now."""
+
+    def set_device(self, device: torch.device) -> None:
+        """Make `device` the current device of this process (a no-op where there is none)."""
+        return None  # the default: nothing to do
+
+    def synchronize(self, device: torch.device | None = None) -> None:
+        """Wait for queued work on the device; kinds that run eagerly on the host do nothing."""
+        return None  # the default: nothing to do
+
+    def empty_cache(self) -> None:
+        """Release cached, unused device memory; kinds without a caching allocator do nothing."""
+        return None  # the default: nothing to do
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed Python's and torch's generators (torch's seeds every CUDA/HIP device too)."""
+        random.seed(seed)
+        torch.manual_seed(seed)
+
+    def default_kv_cache_bytes(self) -> int | None:
+        """A fixed KV-cache budget, or None: size the cache from `mem_info` after profiling."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

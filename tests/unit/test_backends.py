@@ -1,0 +1,357 @@
+"""Device selection and the platform adapters, on CPU: devices are faked by replacing probes,
+torch's build facts (torch.version.hip / cuda, torch.cuda.is_available) or torch_xla itself."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import aserve.backends as backends
+from aserve.backends import (
+    PLATFORMS,
+    CpuPlatform,
+    CudaPlatform,
+    Platform,
+    Probe,
+    RocmPlatform,
+    XlaPlatform,
+    current_platform,
+    select_platform,
+    set_platform,
+)
+
+GiB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fake_devices(monkeypatch, available: set[str]) -> list[str]:
+    """Replace every probe; returns the names of the platforms probed, in order."""
+    probed: list[str] = []
+    for platform in PLATFORMS:
+        def probe(name=platform.name) -> Probe:
+            probed.append(name)
+            return Probe(name in available, f"faked {name} probe")
+        monkeypatch.setattr(platform, "probe", staticmethod(probe))
+    return probed
+
+
+@pytest.fixture
+def no_current(monkeypatch):
+    monkeypatch.setattr(backends, "_current", None)
+
+
+# --- selection -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("available", "expected"), [
+    ({"rocm", "cuda", "xla", "cpu"}, RocmPlatform),
+    ({"cuda", "xla", "cpu"}, CudaPlatform),
+    ({"xla", "cpu"}, XlaPlatform),
+    ({"cpu"}, CpuPlatform),
+])
+def test_auto_picks_rocm_then_cuda_then_xla_then_cpu(monkeypatch, available, expected):
+    fake_devices(monkeypatch, available)
+    assert type(select_platform("auto")) is expected
+    assert type(select_platform()) is expected
+
+
+def test_auto_stops_probing_at_the_first_available_platform(monkeypatch):
+    probed = fake_devices(monkeypatch, {"cuda", "xla", "cpu"})
+    select_platform("auto")
+    assert probed == ["rocm", "cuda"]  # the XLA probe (which imports torch_xla) never ran
+
+
+@pytest.mark.parametrize("name", ["rocm", "cuda", "xla", "cpu"])
+def test_explicit_device_is_chosen_over_a_preferred_available_one(monkeypatch, name):
+    fake_devices(monkeypatch, {"rocm", "cuda", "xla", "cpu"})
+    platform = select_platform(name)
+    assert platform.name == name
+    assert type(platform) is {p.name: p for p in PLATFORMS}[name]
+
+
+@pytest.mark.parametrize("name", ["rocm", "cuda", "xla"])
+def test_explicit_unavailable_device_raises_with_what_its_probe_found(monkeypatch, name):
+    fake_devices(monkeypatch, {"cpu"})
+    with pytest.raises(ValueError, match=f"--device {name} is not available: faked {name} probe"):
+        select_platform(name)
+
+
+def test_unknown_device_name_raises_listing_the_choices():
+    with pytest.raises(ValueError, match="unknown device 'tpu': expected one of auto, rocm, cuda, "
+                                         "xla, cpu"):
+        select_platform("tpu")
+
+
+def test_auto_with_nothing_available_reports_every_probe(monkeypatch):
+    fake_devices(monkeypatch, set())
+    with pytest.raises(ValueError) as error:
+        select_platform("auto")
+    for name in ("rocm", "cuda", "xla", "cpu"):
+        assert f"{name}: faked {name} probe" in str(error.value)
+
+
+def test_current_platform_selects_auto_once_and_remembers(monkeypatch, no_current):
+    probed = fake_devices(monkeypatch, {"cuda", "cpu"})
+    first = current_platform()
+    assert isinstance(first, CudaPlatform) and current_platform() is first
+    assert probed == ["rocm", "cuda"]
+
+
+def test_set_platform_overrides_the_current_one(monkeypatch, no_current):
+    fake_devices(monkeypatch, {"cuda", "cpu"})
+    cpu = CpuPlatform()
+    assert set_platform(cpu) is cpu and current_platform() is cpu
+    assert isinstance(set_platform("cuda"), CudaPlatform)
+    assert isinstance(current_platform(), CudaPlatform)
+
+
+# --- the real probes, on faked torch build facts -------------------------------------------------
+
+
+def fake_torch_build(monkeypatch, hip: str | None, cuda: str | None, num_gpus: int) -> None:
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: num_gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+
+
+def test_rocm_build_with_a_gpu_is_rocm_not_cuda(monkeypatch):
+    fake_torch_build(monkeypatch, hip="6.2.41133", cuda=None, num_gpus=2)
+    assert RocmPlatform.probe() == Probe(True, "2 ROCm device(s), HIP 6.2.41133")
+    assert not CudaPlatform.is_available()
+    assert "use --device rocm" in CudaPlatform.probe().detail
+    assert type(select_platform("auto")) is RocmPlatform
+
+
+def test_cuda_build_with_a_gpu_is_cuda_not_rocm(monkeypatch):
+    fake_torch_build(monkeypatch, hip=None, cuda="12.4", num_gpus=1)
+    assert CudaPlatform.probe() == Probe(True, "1 CUDA device(s), CUDA 12.4")
+    assert "not a ROCm build" in RocmPlatform.probe().detail
+    assert type(select_platform("auto")) is CudaPlatform
+
+
+def test_cuda_build_without_a_gpu_says_is_available_is_false(monkeypatch):
+    fake_torch_build(monkeypatch, hip=None, cuda="12.4", num_gpus=0)
+    with pytest.raises(ValueError, match=r"torch.cuda.is_available\(\) is False"):
+        select_platform("cuda")
+
+
+def test_rocm_build_without_a_gpu_is_not_rocm(monkeypatch):
+    fake_torch_build(monkeypatch, hip="6.2", cuda=None, num_gpus=0)
+    with pytest.raises(ValueError, match=r"--device rocm is not available: torch.cuda.is_avail"):
+        select_platform("rocm")
+
+
+def test_cpu_only_build_is_not_cuda_and_says_so(monkeypatch):
+    fake_torch_build(monkeypatch, hip=None, cuda=None, num_gpus=0)
+    assert CudaPlatform.probe().detail.startswith("torch.version.cuda is None")
+
+
+# --- what each platform says about itself --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("platform", "dist", "attention", "graphs"), [
+    (CudaPlatform, "nccl", "triton", True),
+    (RocmPlatform, "nccl", "triton", True),
+    (XlaPlatform, "xla", "ref", False),
+    (CpuPlatform, "gloo", "cpu", False),
+])
+def test_platform_facts(platform, dist, attention, graphs):
+    assert platform.dist_backend == dist
+    assert platform.attention_backend == attention
+    assert platform.supports_graphs is graphs
+    assert issubclass(platform, Platform)
+
+
+def test_every_device_name_is_a_platform_name():
+    assert backends.DEVICES == ("auto", "rocm", "cuda", "xla", "cpu")
+
+
+@pytest.mark.parametrize("platform", [CudaPlatform, RocmPlatform])
+def test_gpu_rank_owns_the_cuda_device_of_its_local_index(monkeypatch, platform):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert platform().device_for_rank(1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=f"local rank 2 has no {platform.name} device: 2 visible"):
+        platform().device_for_rank(2)
+
+
+def test_seed_everything_makes_torch_draws_repeat():
+    cpu = CpuPlatform()
+    cpu.seed_everything(7)
+    first = torch.rand(4)
+    cpu.seed_everything(7)
+    assert torch.equal(torch.rand(4), first)
+
+
+# --- XLA, with a fake torch_xla ------------------------------------------------------------------
+
+
+def fake_module(name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    module.__dict__.update(attrs)
+    return module
+
+
+@pytest.fixture
+def fake_torch_xla(monkeypatch):
+    """A torch_xla of modules in sys.modules; tests set `runtime.device_type` and `xm.*`."""
+    xm = fake_module("torch_xla.core.xla_model")
+    core = fake_module("torch_xla.core", xla_model=xm)
+    runtime = fake_module("torch_xla.runtime", device_type=lambda: "TPU")
+    root = fake_module("torch_xla", core=core, runtime=runtime,
+                       device=lambda: torch.device("xla", 0))
+    for module in (root, core, xm, runtime):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return types.SimpleNamespace(runtime=runtime, xm=xm)
+
+
+def test_xla_is_available_on_an_accelerator(fake_torch_xla):
+    assert XlaPlatform.probe() == Probe(True, "torch_xla PJRT device TPU")
+
+
+@pytest.mark.parametrize(("kind", "why"), [("CPU", "PJRT device is CPU"), (None, "no accelerator")])
+def test_xla_on_the_host_cpu_or_no_device_is_not_available(fake_torch_xla, kind, why):
+    fake_torch_xla.runtime.device_type = lambda: kind
+    probe = XlaPlatform.probe()
+    assert not probe.available and why in probe.detail
+
+
+def test_xla_probe_reports_a_torch_xla_that_fails_to_import(fake_torch_xla, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_xla.runtime", None)  # makes the import raise
+    probe = XlaPlatform.probe()
+    assert not probe.available and probe.detail.startswith("torch_xla failed to load: ")
+
+
+def test_xla_probe_without_torch_xla_installed(monkeypatch):
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    assert XlaPlatform.probe() == Probe(False, "torch_xla is not installed")
+
+
+def test_xla_rank_device_is_the_one_the_runtime_assigned(fake_torch_xla):
+    assert XlaPlatform().device_for_rank(3) == torch.device("xla", 0)
+
+
+@pytest.mark.parametrize("info", [
+    {"bytes_used": 4 * GiB, "bytes_limit": 16 * GiB},
+    {"kb_free": 12 * GiB // 1024, "kb_total": 16 * GiB // 1024},
+])
+def test_xla_mem_info_reads_both_torch_xla_formats(fake_torch_xla, info):
+    fake_torch_xla.xm.get_memory_info = lambda device: info
+    assert XlaPlatform().mem_info(torch.device("xla", 0)) == (12 * GiB, 16 * GiB)
+
+
+def test_xla_mem_info_without_get_memory_info_says_how_to_size_the_cache(fake_torch_xla):
+    with pytest.raises(RuntimeError, match="--kv-cache-memory"):
+        XlaPlatform().mem_info()
+
+
+def test_importing_backends_or_selecting_cpu_does_not_import_torch_xla(tmp_path):
+    """In a fresh interpreter where a (fake) torch_xla is importable; the probe proves it is."""
+    package = tmp_path / "torch_xla"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "runtime.py").write_text("def device_type():\n    return 'TPU'\n")
+    script = textwrap.dedent("""
+        import sys
+        import aserve.backends as backends
+        after_import = "torch_xla" in sys.modules
+        backends.select_platform("cpu")
+        after_cpu = "torch_xla" in sys.modules
+        backends.XlaPlatform.probe()
+        print(after_import, after_cpu, "torch_xla" in sys.modules)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.split() == ["False", "False", "True"]
+
+
+# --- CPU memory ----------------------------------------------------------------------------------
+
+
+def write_meminfo(path: Path, total_kib: int, available_kib: int) -> Path:
+    path.write_text(f"MemTotal:       {total_kib} kB\nMemFree:         1024 kB\n"
+                    f"MemAvailable:   {available_kib} kB\nHugePages_Total:       0\n")
+    return path
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_cpu_mem_info_of_this_machine_is_positive_with_free_at_most_total():
+    free, total = CpuPlatform().mem_info(torch.device("cpu"))
+    assert isinstance(free, int) and isinstance(total, int)
+    assert 0 < free <= total
+
+
+def test_cpu_mem_info_reads_meminfo_in_bytes(tmp_path):
+    meminfo = write_meminfo(tmp_path / "meminfo", total_kib=32 * GiB // 1024,
+                            available_kib=20 * GiB // 1024)
+    cpu = CpuPlatform(meminfo=meminfo, cgroup=tmp_path / "no-cgroup")
+    assert cpu.mem_info() == (20 * GiB, 32 * GiB)
+
+
+def test_cpu_mem_info_is_capped_by_a_cgroup_v2_limit(tmp_path):
+    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, 60 * GiB // 1024)
+    cgroup = write_files(tmp_path / "cg", {
+        "memory.max": f"{8 * GiB}\n", "memory.current": f"{3 * GiB}\n",
+        "memory.stat": f"anon {2 * GiB}\ninactive_file {GiB}\n"})
+    # usage less the reclaimable page cache: 8 GiB - (3 - 1) GiB
+    assert CpuPlatform(meminfo, cgroup).mem_info() == (6 * GiB, 8 * GiB)
+
+
+def test_cpu_mem_info_is_capped_by_a_cgroup_v1_limit(tmp_path):
+    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, 60 * GiB // 1024)
+    cgroup = write_files(tmp_path / "cg", {
+        "memory/memory.limit_in_bytes": f"{4 * GiB}\n",
+        "memory/memory.usage_in_bytes": f"{GiB}\n",
+        "memory/memory.stat": f"inactive_file 7\ntotal_inactive_file {GiB // 2}\n"})
+    assert CpuPlatform(meminfo, cgroup).mem_info() == (4 * GiB - GiB // 2, 4 * GiB)
+
+
+@pytest.mark.parametrize("files", [
+    {"memory.max": "max\n", "memory.current": f"{GiB}\n"},
+    {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+     "memory/memory.usage_in_bytes": f"{GiB}\n"},
+])
+def test_cpu_mem_info_ignores_an_unlimited_cgroup(tmp_path, files):
+    meminfo = write_meminfo(tmp_path / "meminfo", 16 * GiB // 1024, 10 * GiB // 1024)
+    cgroup = write_files(tmp_path / "cg", files)
+    assert CpuPlatform(meminfo, cgroup).mem_info() == (10 * GiB, 16 * GiB)
+
+
+def test_cpu_mem_info_falls_back_to_sysconf_without_proc(tmp_path):
+    free, total = CpuPlatform(tmp_path / "missing", tmp_path / "missing-cg").mem_info()
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert total == os.sysconf("SC_PHYS_PAGES") * page
+    assert 0 < free <= total
+
+
+@pytest.mark.parametrize(("available", "expected"), [(60 * GiB, 4 * GiB), (2 * GiB, GiB)])
+def test_cpu_default_kv_cache_is_4gib_or_half_the_available_memory(tmp_path, available,
+                                                                   expected):
+    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, available // 1024)
+    assert CpuPlatform(meminfo, tmp_path / "cg").default_kv_cache_bytes() == expected
+
+
+def test_gpu_platforms_size_the_kv_cache_by_profiling():
+    assert CudaPlatform().default_kv_cache_bytes() is None
+    assert XlaPlatform().default_kv_cache_bytes() is None
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_every_cpu_rank_runs_on_the_cpu_device(local_rank):
+    assert CpuPlatform().device_for_rank(local_rank) == torch.device("cpu")
