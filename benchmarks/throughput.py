@@ -2,10 +2,13 @@
 `ignore_eos`), reported as one JSON line.
 
     python benchmarks/throughput.py --model DIR -n 64 -i 128 -o 128 [--compare-hf]
+        [--no-async-scheduling | --compare-sync]
 
 With `--compare-hf`, HF transformers `generate` runs the same prompts in static batches in the
 same process run, and the line carries both figures and their ratio (these machines are noisy:
-compare side by side, never against a number from another run).
+compare side by side, never against a number from another run). `--compare-sync` also runs aserve
+without async scheduling (each step scheduled only after the previous one returned) and reports
+the ratio async / sync.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_prompts  # noqa: E402
 
 
-def run_aserve(args, prompts: list[list[int]]) -> dict:
+def run_aserve(args, prompts: list[list[int]], async_scheduling: bool = True) -> dict:
     from aserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
-              enable_prefix_caching=not args.no_prefix_caching)
+              enable_prefix_caching=not args.no_prefix_caching,
+              async_scheduling=async_scheduling)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: min(4, len(prompts))]],
@@ -42,9 +46,12 @@ def run_aserve(args, prompts: list[list[int]]) -> dict:
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     num_steps = core.num_steps - steps_before
     forward = core.forward_seconds - forward_before
-    # Engine overhead: everything but the model's forward (schedule, input preparation,
-    # sampling, stop checks, detokenization), per step and as a share of the run.
+    # Engine overhead: wall time not spent in the model's forward (schedule, input preparation,
+    # sampling, stop checks, detokenization that async scheduling did not hide), per step and as
+    # a share of the run.
+    llm.engine_core.shutdown()
     return summarize("aserve", len(prompts), num_out, sum(map(len, prompts)), elapsed,
+                     async_scheduling=async_scheduling,
                      startup_s=round(startup, 2), num_steps=num_steps,
                      overhead_ms_per_step=round(1000 * (elapsed - forward) / num_steps, 3),
                      overhead_fraction=round((elapsed - forward) / elapsed, 4))
@@ -100,6 +107,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("--compare-sync", action="store_true",
+                    help="also run aserve without async scheduling; report async / sync")
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     args = ap.parse_args()
@@ -113,8 +123,12 @@ def main() -> int:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        "aserve": run_aserve(args, prompts),
+        "aserve": run_aserve(args, prompts, not args.no_async_scheduling),
     }
+    if args.compare_sync:
+        result["aserve_sync"] = run_aserve(args, prompts, async_scheduling=False)
+        result["ratio_async_vs_sync"] = round(result["aserve"]["output_tokens_per_s"]
+                                              / result["aserve_sync"]["output_tokens_per_s"], 3)
     if args.compare_hf:
         result["hf"] = run_hf(args, prompts)
         result["ratio_vs_hf"] = round(result["aserve"]["output_tokens_per_s"]

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from aserve.backends.attention import attention_ops
 from aserve.config import ModelConfig
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import ModelArchConfig, effective_max_model_len, load_model
@@ -52,9 +53,10 @@ def hf_logits(model_dir, ids, dtype=torch.float32):
 
 
 def bind_cache(model, arch, num_blocks=32, dtype=torch.float32):
+    ops = attention_ops("cpu", dtype)
     for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(2, num_blocks, BLOCK_SIZE, arch.num_kv_heads, arch.head_dim,
-                                     dtype=dtype)
+        layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK_SIZE, arch.num_kv_heads,
+                                        arch.head_dim, dtype=dtype), ops)
 
 
 def step(model, chunks):

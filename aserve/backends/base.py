@@ -14,6 +14,8 @@ from typing import ClassVar
 
 import torch
 
+from aserve.backends.attention import AttentionOps, attention_ops
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -40,6 +42,7 @@ class Platform(ABC):
             "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
             decode rows, the torch reference otherwise) or "ref" (the torch reference only).
         supports_graphs: whether decode batches may be captured as CUDA/HIP graphs.
+        pin_memory: whether host tensors bound for the device are staged in pinned memory.
 
     Contract:
         - `probe()` is a static method that never raises and has no side effect beyond importing
@@ -58,6 +61,7 @@ class Platform(ABC):
     dist_backend: ClassVar[str]
     attention_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
+    pin_memory: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod
@@ -92,6 +96,26 @@ class Platform(ABC):
         """Seed Python's and torch's generators (torch's seeds every CUDA/HIP device too)."""
         random.seed(seed)
         torch.manual_seed(seed)
+
+    def attention_ops(self, dtype: torch.dtype) -> AttentionOps:
+        """The store-KV and paged-attention kernels the attention layers run for `dtype`."""
+        return attention_ops(self.attention_backend, dtype)
+
+    def prepare_kernels(self, dtype: torch.dtype) -> None:
+        """Build or load compiled kernels now, at start-up, not in the middle of a request."""
+        return None  # the default: nothing to build
+
+    def prepacks_weights(self, dtype: torch.dtype) -> bool:
+        """Whether linear weights are repacked into the platform's GEMM layout after loading."""
+        return False
+
+    def reset_peak_memory(self) -> None:
+        """Start counting `peak_memory_bytes` from now."""
+        return None  # the default: no allocator statistics
+
+    def peak_memory_bytes(self) -> int:
+        """Most bytes torch held on the device since `reset_peak_memory` (0 where unknown)."""
+        return 0
 
     def default_kv_cache_bytes(self) -> int | None:
         """A fixed KV-cache budget, or None: size the cache from `mem_info` after profiling."""

@@ -53,6 +53,20 @@ class CpuPlatform(Platform):
             free = min(free, max(limit[0] - limit[1], 0))
         return min(free, total), total
 
+    def prepare_kernels(self, dtype: torch.dtype) -> None:
+        """Build (or load from the torch extensions cache) the C++ kernels for bf16/fp16."""
+        if dtype != torch.float32:
+            from aserve.kernels import cpu_fused
+            from aserve.kernels.paged_attention_cpu import load_kernel
+
+            load_kernel()
+            cpu_fused.load()
+
+    def prepacks_weights(self, dtype: torch.dtype) -> bool:
+        """bf16/fp16 weights go into oneDNN's packed layout; fp32 stays as loaded (bit-equal
+        to transformers)."""
+        return dtype != torch.float32
+
     def default_kv_cache_bytes(self) -> int:
         """4 GiB, or half the memory available now when that is less (call it after loading
         the weights, so that they are not counted as available)."""

@@ -17,6 +17,7 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     attention_backend = "triton"
     supports_graphs = True
+    pin_memory = True
 
     @staticmethod
     def probe() -> Probe:
@@ -50,3 +51,9 @@ class CudaPlatform(Platform):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int:
+        return int(torch.cuda.max_memory_allocated())

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
-GiB = 1 << 30
-
 
 @dataclass
 class EngineArgs:
@@ -22,10 +20,13 @@ class EngineArgs:
     async_scheduling: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory: int = 2 * GiB  # bytes for the KV cache (CPU); num_kv_blocks overrides
+    # KV cache size: num_kv_blocks, else kv_cache_memory bytes, else the platform's default
+    # (CPU: min(4 GiB, half the available memory)), else (GPUs) profiled under this utilization.
+    kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"  # auto | cuda | rocm | xla | cpu
     served_model_name: str | None = None
 
     def model_config(self) -> ModelConfig:

@@ -46,13 +46,15 @@ class EngineCore:
         # No more blocks than `max_num_seqs` requests of maximal length can use.
         max_useful_blocks = -(-args.max_num_seqs * max_model_len // args.block_size)
         num_blocks = self.executor.initialize_kv_cache(
-            args.kv_cache_memory, args.num_kv_blocks, max_useful_blocks)
+            args.kv_cache_memory, args.num_kv_blocks, max_useful_blocks,
+            args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs)
         if num_blocks * args.block_size < max_model_len:
             raise ValueError(
                 f"The KV cache holds {num_blocks} blocks of {args.block_size} tokens "
                 f"({num_blocks * args.block_size} tokens), fewer than max_model_len="
                 f"{max_model_len}: one request of maximal length could never run. Give the "
-                "cache more memory (kv_cache_memory / num_kv_blocks) or lower max_model_len.")
+                "cache more memory (kv_cache_memory / num_kv_blocks / gpu_memory_utilization) "
+                "or lower max_model_len.")
         self.num_blocks = num_blocks
         self.num_steps = 0
         self.forward_seconds = 0.0  # the model's own time, summed over steps

@@ -15,18 +15,22 @@ from aserve.runner.worker import Worker
 
 
 class UniProcExecutor:
-    def __init__(self, model_config: ModelConfig, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, model_config: ModelConfig, block_size: int, device: str = "auto") -> None:
         self.worker = Worker(model_config, block_size, device)
         self._thread: ThreadPoolExecutor | None = None
 
     def model_info(self) -> ModelInfo:
         return self.worker.model_info()
 
-    def initialize_kv_cache(self, kv_cache_memory: int, num_kv_blocks: int | None,
-                            max_useful_blocks: int) -> int:
-        """Size and allocate the KV cache; return its number of blocks."""
-        num_blocks = num_kv_blocks or min(
-            self.worker.num_blocks_for_memory(kv_cache_memory), max_useful_blocks)
+    def initialize_kv_cache(self, kv_cache_memory: int | None, num_kv_blocks: int | None,
+                            max_useful_blocks: int, gpu_memory_utilization: float,
+                            max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Size and allocate the KV cache (see `Worker`); return its number of blocks."""
+        num_blocks = num_kv_blocks
+        if num_blocks is None:
+            num_bytes = self.worker.kv_cache_bytes(kv_cache_memory, gpu_memory_utilization,
+                                                   max_num_batched_tokens, max_num_seqs)
+            num_blocks = min(self.worker.num_blocks_for_bytes(num_bytes), max_useful_blocks)
         self.worker.initialize_kv_cache(num_blocks)
         return num_blocks
 

@@ -1,10 +1,9 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends over it.
 
 The runner allocates each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-and binds it to `Attention.kv_cache`; until then (memory profiling) the layer runs plain causal
-attention inside each request's rows. On CPU, bf16/fp16 decode rows go through the C++ kernel
-(`paged_attention_cpu`), everything else through the torch reference; that choice moves into
-`aserve/backends` (with Triton on CUDA/ROCm) in a later change.
+and binds it, with the kernels the platform chose (`aserve.backends.attention`), through
+`bind_kv_cache`; until then (memory profiling) the layer runs plain causal attention inside each
+request's rows. The layer itself never asks which device it is on.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.kernels.paged_attention import paged_attention_ref
-from aserve.kernels.paged_attention_cpu import paged_attention_cpu
-from aserve.kernels.store_kv import store_kv_ref
+from aserve.backends.attention import AttentionOps
 
 
 @dataclass
@@ -88,6 +85,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
         self.kv_cache: torch.Tensor | None = None  # [2, NB, BS, Hkv, D], bound by the runner
+        self.ops: AttentionOps | None = None
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, ops: AttentionOps) -> None:
+        """Attend over `kv_cache` [2, NB, BS, Hkv, D] with `ops` from now on."""
+        self.kv_cache, self.ops = kv_cache, ops
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -97,22 +99,14 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             out = self._profile_forward(q, k, v, attn_metadata)
         else:
-            m = attn_metadata
-            store_kv_ref(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
-            out = self._paged_attention(q)(
+            m, ops = attn_metadata, self.ops
+            ops.store_kv(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
+            out = ops.paged_attention(
                 q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
                 m.block_table, self.scale, self.sliding_window, self.soft_cap,
                 query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu,
                 key=k, value=v)
         return out.view(-1, self.num_heads * self.head_dim)  # [T, Hq*D]
-
-    @staticmethod
-    def _paged_attention(q: torch.Tensor):
-        """The C++ decode kernel for low-precision CPU tensors; float32 keeps the torch
-        reference, whose SDPA path is bit-equal to transformers'."""
-        if q.device.type == "cpu" and q.dtype != torch.float32:
-            return paged_attention_cpu
-        return paged_attention_ref
 
     def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -15,10 +15,6 @@ def kv_cache_bytes_per_block(arch, block_size: int) -> int:
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
 
 
-def num_blocks_for_memory(arch, block_size: int, kv_cache_memory: int) -> int:
-    return kv_cache_memory // kv_cache_bytes_per_block(arch, block_size)
-
-
 def allocate_kv_caches(arch, num_blocks: int, block_size: int,
                        device: torch.device) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)

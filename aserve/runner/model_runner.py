@@ -12,10 +12,9 @@ import time
 import numpy as np
 import torch
 
+from aserve.backends import Platform
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from aserve.kernels import cpu_fused
-from aserve.kernels.paged_attention_cpu import load_kernel
 from aserve.layers.attention import AttentionMetadata
 from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
@@ -27,15 +26,15 @@ from aserve.runner.sampling_metadata import SamplingMetadata
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, model_config: ModelConfig, block_size: int, platform: Platform,
+                 device: torch.device) -> None:
+        self.platform = platform
+        self.device = device
         self.block_size = block_size
         self.model, self.arch = load_model(model_config, self.device)
         self.model.eval()
-        if self.device.type == "cpu" and self.arch.dtype != torch.float32:
-            load_kernel()  # build (or load the cached) C++ kernels now, not mid-request
-            cpu_fused.load()
+        platform.prepare_kernels(self.arch.dtype)  # compile now, not in the middle of a request
+        if platform.prepacks_weights(self.arch.dtype):
             prepack_linear_weights(self.model)
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler()
@@ -45,8 +44,29 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.device)
+        ops = self.platform.attention_ops(self.arch.dtype)
         for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
-            layer.kv_cache = kv_cache
+            layer.bind_kv_cache(kv_cache, ops)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_reqs: int) -> None:
+        """A forward of the largest step (`num_tokens` tokens in `num_reqs` requests) and its
+        logits, with no KV cache bound: what activations can take at most, for sizing the cache."""
+        num_reqs = max(1, min(num_reqs, num_tokens))
+        query_lens = [num_tokens // num_reqs] * num_reqs
+        query_lens[-1] += num_tokens - sum(query_lens)
+        starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        positions = np.concatenate([np.arange(n) for n in query_lens]).astype(np.int64)
+        metadata = AttentionMetadata(
+            query_start_loc=self._tensor(starts), seq_lens=self._tensor(starts[1:] - starts[:-1]),
+            block_table=torch.zeros(num_reqs, 1, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            max_query_len=max(query_lens), max_seq_len=max(query_lens),
+            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=list(query_lens))
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, self._tensor(positions), metadata)
+        self.model.compute_logits(hidden[self._tensor(starts[1:].astype(np.int64) - 1)])
+        self.platform.synchronize(self.device)
 
     # ------------------------------------------------------------------ state
 

@@ -104,8 +104,7 @@ class SamplingMetadata:
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def _optional(values: list, neutral: float, device: torch.device,

@@ -1,23 +1,40 @@
-"""`Worker`: one rank — its device, its model runner, its share of the KV cache."""
+"""`Worker`: one rank — its platform and device, its model runner, its share of the KV cache.
+
+KV-cache sizing, in order: `num_kv_blocks` if given; else `kv_cache_memory` bytes if given; else
+the platform's default budget (CPU: host memory); else (GPUs) by profiling:
+
+    kv bytes = gpu_memory_utilization * total - (memory others held at start) - (peak of a
+               forward of the largest step, weights included)
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from aserve.backends import Platform, set_platform
 from aserve.config import ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.models import effective_max_model_len
-from aserve.runner.kv_cache import num_blocks_for_memory
+from aserve.runner.kv_cache import kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
     def __init__(self, model_config: ModelConfig, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
-        torch.manual_seed(model_config.seed)
+                 device: str | Platform = "auto", local_rank: int = 0) -> None:
+        self.platform: Platform = set_platform(device)
+        self.device: torch.device = self.platform.device_for_rank(local_rank)
+        self.platform.set_device(self.device)
+        self.platform.seed_everything(model_config.seed)
+        self.free_at_start, _ = self.platform.mem_info(self.device)
+        self.platform.reset_peak_memory()
         self.model_config = model_config
         self.block_size = block_size
-        self.runner = ModelRunner(model_config, block_size, device)
+        self.runner = ModelRunner(model_config, block_size, self.platform, self.device)
 
     def model_info(self) -> ModelInfo:
         arch = self.runner.arch
@@ -27,8 +44,34 @@ class Worker:
             eos_token_ids=tuple(arch.eos_token_ids),
         )
 
-    def num_blocks_for_memory(self, kv_cache_memory: int) -> int:
-        return num_blocks_for_memory(self.runner.arch, self.block_size, kv_cache_memory)
+    def kv_cache_bytes(self, kv_cache_memory: int | None, gpu_memory_utilization: float,
+                       max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """The KV cache's budget in bytes (see the module docstring)."""
+        if kv_cache_memory is not None:
+            return kv_cache_memory
+        default = self.platform.default_kv_cache_bytes()
+        if default is not None:
+            return default
+        self.runner.profile_run(max_num_batched_tokens, max_num_seqs)
+        peak = self.platform.peak_memory_bytes()
+        _, total = self.platform.mem_info(self.device)
+        held_by_others = total - self.free_at_start
+        budget = int(gpu_memory_utilization * total) - held_by_others - peak
+        logger.info("KV cache: %.2f GiB = %.2f x %.2f GiB total - %.2f GiB held by others - "
+                    "%.2f GiB peak of a %d-token forward", budget / 2**30,
+                    gpu_memory_utilization, total / 2**30, held_by_others / 2**30,
+                    peak / 2**30, max_num_batched_tokens)
+        self.platform.empty_cache()
+        if budget <= 0:
+            raise ValueError(
+                f"No memory left for the KV cache: {gpu_memory_utilization:.0%} of "
+                f"{total / 2**30:.1f} GiB minus {held_by_others / 2**30:.1f} GiB used by others "
+                f"minus a {peak / 2**30:.1f} GiB forward peak. Raise --gpu-memory-utilization, "
+                "lower --max-num-batched-tokens, or give --kv-cache-memory.")
+        return budget
+
+    def num_blocks_for_bytes(self, num_bytes: int) -> int:
+        return num_bytes // kv_cache_bytes_per_block(self.runner.arch, self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

@@ -62,10 +62,14 @@ ENGINE_HELP = {
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
     "kv_cache_memory": "bytes for the KV cache: 2147483648, 4GiB, 512MiB, 1.5G (K/M/G/T are "
-                       "binary, KB/MB/GB/TB decimal)",
+                       "binary, KB/MB/GB/TB decimal) (default: on CPU min(4GiB, half the "
+                       "available memory); on GPUs what --gpu-memory-utilization leaves)",
+    "gpu_memory_utilization": "share of GPU memory aserve may use in all (weights, activations, "
+                              "KV cache); ignored on CPU",
+    "async_scheduling": "schedule the next step while the current one runs",
     "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory)",
     "seed": "seed of the sampler's random generator",
-    "device": "torch device of the model: cpu (GPU backends are on the way)",
+    "device": "auto (ROCm, else CUDA, else XLA, else CPU) | cuda | rocm | xla | cpu",
     "served_model_name": "the model's name in the API (default: --model as given)",
 }
 
@@ -138,10 +142,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "(default: none, CORS off)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="X",
-                       help="accepted for vLLM compatibility and not used yet: it takes effect "
-                            "once GPU backends land; size the KV cache with --kv-cache-memory "
-                            "or --num-kv-blocks")
 
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:

@@ -71,3 +71,43 @@ def test_checker_catches_a_forbidden_import(tmp_path, monkeypatch):
     (bad / "x.py").write_text("import torch\nfrom aserve.runner import worker\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path / "aserve")
     assert len(violations()) == 2
+
+
+DEVICE_NEUTRAL = ("runner", "models")  # they ask `aserve.backends`, never the device itself
+DEVICE_NAMES = {"cuda", "cpu", "xla", "hip", "rocm", "mps"}
+
+
+def device_branches(root: Path) -> list[str]:
+    """`torch.cuda` / `torch_xla` uses, `.is_cuda`, and comparisons with a device name."""
+    found = []
+    for package in DEVICE_NEUTRAL:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+                if isinstance(node, ast.Attribute) and node.attr in ("cuda", "is_cuda", "hip"):
+                    found.append(f"{where} uses .{node.attr}")
+                elif isinstance(node, ast.Name) and node.id == "torch_xla":
+                    found.append(f"{where} uses torch_xla")
+                elif isinstance(node, ast.Compare):
+                    names = {c.value for c in [node.left, *node.comparators]
+                             if isinstance(c, ast.Constant)}
+                    if names & DEVICE_NAMES:
+                        found.append(f"{where} compares with a device name")
+    return found
+
+
+def test_runner_and_models_never_branch_on_the_device():
+    assert device_branches(ROOT) == []
+
+
+def test_device_branch_checker_catches_each_kind(tmp_path):
+    runner = tmp_path / "aserve" / "runner"
+    runner.mkdir(parents=True)
+    (tmp_path / "aserve" / "models").mkdir()
+    (runner / "x.py").write_text(
+        "import torch\n"
+        "a = torch.cuda.is_available()\n"
+        "b = x.device.type == 'cuda'\n"
+        "c = 'cpu' != y\n"
+        "d = t.is_cuda\n")
+    assert len(device_branches(tmp_path / "aserve")) == 4
