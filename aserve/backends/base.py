@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -108,6 +109,16 @@ class Platform(ABC):
     def prepacks_weights(self, dtype: torch.dtype) -> bool:
         """Whether linear weights are repacked into the platform's GEMM layout after loading."""
         return False
+
+    def graph_pool(self) -> object:
+        """A memory pool that every captured graph of this process shares."""
+        raise NotImplementedError(f"{self.name} does not capture graphs (supports_graphs)")
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor], pool: object
+                      ) -> tuple[Callable[[], None], torch.Tensor]:
+        """Capture `fn` (already warmed up) as a graph; return (replay, fn's output tensor),
+        which every replay rewrites in place from the tensors `fn` read at capture."""
+        raise NotImplementedError(f"{self.name} does not capture graphs (supports_graphs)")
 
     def reset_peak_memory(self) -> None:
         """Start counting `peak_memory_bytes` from now."""

@@ -5,6 +5,8 @@ ROCm builds of torch also answer to `torch.cuda`; they get `rocm.py`, which subc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from aserve.backends.base import Platform, Probe
@@ -51,6 +53,16 @@ class CudaPlatform(Platform):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def graph_pool(self) -> object:
+        return torch.cuda.graph_pool_handle()
+
+    def capture_graph(self, fn: Callable[[], torch.Tensor], pool: object
+                      ) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph.replay, out
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats()

@@ -27,6 +27,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     device: str = "auto"  # auto | cuda | rocm | xla | cpu
+    enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     served_model_name: str | None = None
 
     def model_config(self) -> ModelConfig:

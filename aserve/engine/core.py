@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
-        self.executor = UniProcExecutor(args.model_config(), args.block_size, args.device)
+        self.executor = UniProcExecutor(args.model_config(), args.block_size, args.device,
+                                        args.enforce_eager, args.max_num_seqs)
         self.model_info: ModelInfo = self.executor.model_info()
         max_model_len = self.model_info.max_model_len
         # No more blocks than `max_num_seqs` requests of maximal length can use.

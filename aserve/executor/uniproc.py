@@ -15,8 +15,10 @@ from aserve.runner.worker import Worker
 
 
 class UniProcExecutor:
-    def __init__(self, model_config: ModelConfig, block_size: int, device: str = "auto") -> None:
-        self.worker = Worker(model_config, block_size, device)
+    def __init__(self, model_config: ModelConfig, block_size: int, device: str = "auto",
+                 enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
+        self.worker = Worker(model_config, block_size, device, enforce_eager=enforce_eager,
+                             max_num_seqs=max_num_seqs)
         self._thread: ThreadPoolExecutor | None = None
 
     def model_info(self) -> ModelInfo:

@@ -18,6 +18,7 @@ from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutpu
 from aserve.layers.attention import AttentionMetadata
 from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
+from aserve.runner.graphs import DecodeGraphs
 from aserve.runner.input_batch import PreparedInputs, prepare_inputs
 from aserve.runner.kv_cache import allocate_kv_caches
 from aserve.runner.request_state import CachedRequestState
@@ -41,12 +42,19 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.device)
         ops = self.platform.attention_ops(self.arch.dtype)
         for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.bind_kv_cache(kv_cache, ops)
+
+    def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
+        """Capture decode-only forwards of these batch sizes (after the KV cache is bound)."""
+        self.graphs = DecodeGraphs(self.model, self.platform, self.device, capture_sizes,
+                                   max_blocks_per_seq)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, num_reqs: int) -> None:
@@ -100,8 +108,11 @@ class ModelRunner:
         inputs = prepare_inputs(states, num_scheduled, self.block_size)
 
         start = time.perf_counter()
-        hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
-                            self._attn_metadata(inputs))  # [num_tokens, hidden_size]
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden = self.graphs.run(inputs)  # [num_tokens, hidden_size]
+        else:
+            hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
+                                self._attn_metadata(inputs))  # [num_tokens, hidden_size]
         forward_seconds = time.perf_counter() - start
         prompt_logprobs = self._prompt_logprobs(states, num_scheduled, inputs, hidden)
 

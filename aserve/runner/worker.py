@@ -1,4 +1,5 @@
-"""`Worker`: one rank — its platform and device, its model runner, its share of the KV cache.
+"""`Worker`: one rank — its platform and device, its model runner, its share of the KV cache,
+and (where the platform has graphs, unless `enforce_eager`) its captured decode graphs.
 
 KV-cache sizing, in order: `num_kv_blocks` if given; else `kv_cache_memory` bytes if given; else
 the platform's default budget (CPU: host memory); else (GPUs) by profiling:
@@ -17,6 +18,7 @@ from aserve.backends import Platform, set_platform
 from aserve.config import ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.models import effective_max_model_len
+from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.kv_cache import kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
 
@@ -25,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 class Worker:
     def __init__(self, model_config: ModelConfig, block_size: int,
-                 device: str | Platform = "auto", local_rank: int = 0) -> None:
+                 device: str | Platform = "auto", local_rank: int = 0,
+                 enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
+        self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
         self.platform.set_device(self.device)
@@ -74,7 +78,11 @@ class Worker:
         return num_bytes // kv_cache_bytes_per_block(self.runner.arch, self.block_size)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache; then, where the platform has graphs, capture decode batches."""
         self.runner.initialize_kv_cache(num_blocks)
+        if self.platform.supports_graphs and not self.enforce_eager:
+            max_blocks = -(-self.model_info().max_model_len // self.block_size)
+            self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -67,6 +67,7 @@ ENGINE_HELP = {
     "gpu_memory_utilization": "share of GPU memory aserve may use in all (weights, activations, "
                               "KV cache); ignored on CPU",
     "async_scheduling": "schedule the next step while the current one runs",
+    "enforce_eager": "run every step eagerly: no CUDA/HIP graphs of decode batches",
     "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory)",
     "seed": "seed of the sampler's random generator",
     "device": "auto (ROCm, else CUDA, else XLA, else CPU) | cuda | rocm | xla | cpu",
