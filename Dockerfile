@@ -14,17 +14,15 @@ ARG GPU_BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 
 FROM python:3.11-slim AS base-cpu
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-ENV ASERVE_EXTRAS=""
 
 FROM ${GPU_BASE} AS base-gpu
-ENV ASERVE_EXTRAS="[triton]"
 
 FROM base-${VARIANT}
 ENV PYTHONUNBUFFERED=1
 WORKDIR /opt/aserve
 COPY pyproject.toml README.md ./
 COPY aserve ./aserve
-RUN pip install --no-cache-dir ".${ASERVE_EXTRAS}" \
+RUN pip install --no-cache-dir . \
     && useradd --create-home aserve
 USER aserve
 WORKDIR /home/aserve

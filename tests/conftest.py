@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hf_models import make_hf_model
+
+if not torch.cuda.is_available():  # before any @triton.jit runs: Triton kernels test on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ At decode batch sizes a layer's element-wise work is a dozen tiny torch ops each
 dispatch costs more than their arithmetic; here each is one C++ loop. Every op rounds to
 bfloat16 where the torch formulation (its `*_ref` twin below) does, so results match it to the
 last bit in almost every element (float32 reductions may differ in order). Built on first use
-like `paged_attention_cpu`; `available()` is False where it cannot be built.
+like `paged_attention_cpu`; `available()` is False where it cannot be built. The twins of
+`rms_norm` and `rope` live with their Triton versions (`rms_norm.py`, `rotary.py`) and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from aserve.kernels.paged_attention_cpu import build_extension
+from aserve.kernels.rms_norm import rms_norm_ref as rms_norm_ref
+from aserve.kernels.rotary import rope_ref as rope_ref
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -112,27 +116,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _module().rms_norm(x, residual, weight, eps)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> None:
-    if residual is not None:
-        residual.add_(x)
-        x.copy_(residual)
-    x32 = x.float()
-    x.copy_(weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype))
-
-
 def rope(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          head_dim: int, rotary_dim: int) -> None:
     """In place on x [T, H * head_dim] (rows may be strided)."""
     _module().rope(positions, x, cos, sin, head_dim, rotary_dim)
-
-
-def rope_ref(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             head_dim: int, rotary_dim: int) -> None:
-    rows = x.view(x.shape[0], -1, head_dim)[..., :rotary_dim]  # [T, H, rot], a view of x
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, rot]
-    x1, x2 = rows.chunk(2, dim=-1)
-    rows.copy_(rows * c + torch.cat((-x2, x1), dim=-1) * s)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
