@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.kernels import cpu_fused
+from aserve.backends.fused import rms_norm_op
 
 
 class RMSNorm(nn.Module):
@@ -24,20 +24,22 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if cpu_fused.usable(x) and x.is_contiguous() and (
+        op = rms_norm_op(x)
+        if op is not None and x.is_contiguous() and (
                 residual is None or residual.is_contiguous()):
-            return self._fused(x, residual)
+            return self._fused(op, x, residual)
         if residual is None:
             return self._norm(x)
         x = residual + x  # [T, hidden], in the model dtype as HF adds it
         return self._norm(x), x
 
-    def _fused(self, x: torch.Tensor, residual: torch.Tensor | None
+    def _fused(self, op, x: torch.Tensor, residual: torch.Tensor | None
                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One C++ pass (CPU bf16); with a residual, x and residual are updated in place."""
+        """One fused pass (C++ on CPU, Triton on GPUs); with a residual, x and residual are
+        updated in place."""
         if residual is None:
             out = x.clone()  # x is also the caller's residual: leave it as it is
-            cpu_fused.rms_norm(out, self.weight, self.eps)
+            op(out, self.weight, self.eps, None)
             return out
-        cpu_fused.rms_norm(x, self.weight, self.eps, residual)
+        op(x, self.weight, self.eps, residual)
         return x, residual

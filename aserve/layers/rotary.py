@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from aserve.kernels import cpu_fused
+from aserve.backends.fused import rope_op
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -119,12 +119,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if (cpu_fused.usable(q) and q.dim() == 2 and k.dim() == 2 and q.stride(1) == 1
+        op = rope_op(q)
+        if (op is not None and q.dim() == 2 and k.dim() == 2 and q.stride(1) == 1
                 and k.stride(1) == 1 and positions.dtype == torch.int64):
-            for x in (q, k):  # one C++ pass each (CPU bf16), in place
-                cpu_fused.rope(positions, x, self.cos_cache, self.sin_cache, self.head_dim,
-                               self.rotary_dim)
-            return q, k
+            op(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+            return q, k  # rotated in place (C++ on CPU bf16, Triton on GPUs)
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
