@@ -31,7 +31,12 @@ class PreparedInputs:
     max_seq_len: int
     # Rows of the batch that sample (their request reaches its last known token this step).
     sample_req_indices: list[int]
-    logits_indices: np.ndarray  # [num_sampling_reqs] int64: the last token of each of those
+    # Hidden rows whose logits are computed, in one call: the last token of each sampling
+    # request, then the rows of each prompt-logprobs span below.
+    logits_indices: np.ndarray  # [num_sampling_reqs + sum of span lengths] int64
+    # (request index, first prompt position, rows) per request asking for prompt logprobs: the
+    # hidden row of position p predicts prompt token p + 1.
+    prompt_logprob_spans: list[tuple[int, int, int]]
 
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
@@ -66,7 +71,13 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
 
     sample_req_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
-    logits_indices = query_start_loc[1:][sample_req_indices].astype(np.int64) - 1
+    rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
+    spans = []
+    for i, (state, c, n) in enumerate(zip(states, num_computed, num_scheduled)):
+        end = min(int(c) + n, state.num_prompt_tokens - 1)
+        if state.sampling_params.prompt_logprobs is not None and c < end:
+            spans.append((i, int(c), end - int(c)))
+            rows.append(np.arange(query_start_loc[i], query_start_loc[i] + end - c))
     return PreparedInputs(
         input_ids=input_ids,
         positions=positions,
@@ -77,5 +88,6 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         sample_req_indices=sample_req_indices,
-        logits_indices=logits_indices,
+        logits_indices=np.concatenate(rows).astype(np.int64),
+        prompt_logprob_spans=spans,
     )

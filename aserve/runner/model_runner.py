@@ -104,41 +104,45 @@ class ModelRunner:
         if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         states = [self.requests[r] for r in req_ids]
-        num_scheduled = [so.num_scheduled_tokens[r] for r in req_ids]
-        inputs = prepare_inputs(states, num_scheduled, self.block_size)
-
+        inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
+                                self.block_size)
         start = time.perf_counter()
+        logits = self.run_model(inputs)  # [num_logits_rows, vocab]
+        forward_seconds = time.perf_counter() - start
+        num_sampling = len(inputs.sample_req_indices)
+        prompt_logprobs = self._prompt_logprobs(states, inputs, logits[num_sampling:])
+        sampled: list[int | None] = [None] * len(req_ids)
+        logprobs: dict[str, LogprobsLists] = {}
+        if num_sampling:
+            sample_states = [states[i] for i in inputs.sample_req_indices]
+            token_ids = self._sample(sample_states, logits[:num_sampling], logprobs)
+            for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
+                sampled[i] = token_id
+                state.append_output_token_id(token_id)
+        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, forward_seconds)
+
+    @torch.inference_mode()
+    def run_model(self, inputs: PreparedInputs) -> torch.Tensor:
+        """The forward and the logits of `inputs.logits_indices`: every tensor-parallel rank
+        runs this on the same inputs (its collectives pair up), only rank 0 samples."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             hidden = self.graphs.run(inputs)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                                 self._attn_metadata(inputs))  # [num_tokens, hidden_size]
-        forward_seconds = time.perf_counter() - start
-        prompt_logprobs = self._prompt_logprobs(states, num_scheduled, inputs, hidden)
+        return self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
 
-        sampled: list[int | None] = [None] * len(req_ids)
-        logprobs: dict[str, LogprobsLists] = {}
-        if inputs.sample_req_indices:
-            sample_states = [states[i] for i in inputs.sample_req_indices]
-            start = time.perf_counter()
-            logits = self.model.compute_logits(
-                hidden[self._tensor(inputs.logits_indices)])  # [num_sampling, vocab]
-            forward_seconds += time.perf_counter() - start
-            metadata = SamplingMetadata.build(sample_states, self.vocab_size, self.device,
-                                              generator=self.generator)
-            out = self.sampler(logits, metadata)
-            token_ids = out.sampled_token_ids.tolist()
-            for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
-                sampled[i] = token_id
-                state.append_output_token_id(token_id)
-            if out.logprobs is not None:
-                rows = [j for j, s in enumerate(sample_states)
-                        if s.sampling_params.logprobs is not None]
-                lists = out.logprobs.tolists(
-                    rows, [sample_states[j].sampling_params.logprobs for j in rows])
-                for j, row in zip(rows, lists):
-                    logprobs[sample_states[j].req_id] = row
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, forward_seconds)
+    def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
+                logprobs: dict[str, LogprobsLists]) -> list[int]:
+        metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
+                                          generator=self.generator)
+        out = self.sampler(logits, metadata)
+        if out.logprobs is not None:
+            rows = [j for j, s in enumerate(states) if s.sampling_params.logprobs is not None]
+            lists = out.logprobs.tolists(rows, [states[j].sampling_params.logprobs for j in rows])
+            for j, row in zip(rows, lists):
+                logprobs[states[j].req_id] = row
+        return out.sampled_token_ids.tolist()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -155,21 +159,18 @@ class ModelRunner:
             seq_lens_cpu=inputs.seq_lens.tolist(),
         )
 
-    def _prompt_logprobs(self, states: list[CachedRequestState], num_scheduled: list[int],
-                         inputs: PreparedInputs, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
-        """Logprobs of the prompt tokens this step's chunk predicts, for requests that ask."""
+    def _prompt_logprobs(self, states: list[CachedRequestState], inputs: PreparedInputs,
+                         logits: torch.Tensor) -> dict[str, LogprobsLists]:
+        """Logprobs of the prompt tokens this step's chunks predict, for requests that ask;
+        `logits` holds the rows of `inputs.prompt_logprob_spans`, in order."""
         result: dict[str, LogprobsLists] = {}
-        for i, (state, n) in enumerate(zip(states, num_scheduled)):
+        offset = 0
+        for i, start, num_rows in inputs.prompt_logprob_spans:
+            state = states[i]
             k = state.sampling_params.prompt_logprobs
-            start = state.num_computed_tokens
-            if k is None or start >= state.num_prompt_tokens - 1:
-                continue
-            # hidden row for position p predicts prompt token p + 1
-            end = min(start + n, state.num_prompt_tokens - 1)
-            first_row = int(inputs.query_start_loc[i])
-            rows = hidden[first_row:first_row + end - start]  # [end - start, hidden_size]
-            targets = torch.tensor(state.prompt_token_ids[start + 1:end + 1], device=self.device)
-            tensors = compute_prompt_logprobs(self.model.compute_logits(rows), targets, k)
-            result[state.req_id] = tensors.tolists(range(end - start), [k] * (end - start),
-                                                   merge=True)
+            targets = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + num_rows],
+                                   device=self.device)
+            tensors = compute_prompt_logprobs(logits[offset:offset + num_rows], targets, k)
+            result[state.req_id] = tensors.tolists(range(num_rows), [k] * num_rows, merge=True)
+            offset += num_rows
         return result
