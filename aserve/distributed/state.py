@@ -1,8 +1,8 @@
 """Tensor-parallel rank state read by the parallel layers.
 
-Until tensor parallelism arrives this is one process: rank 0 of a group of size 1, and the
-collectives below are no-ops. `set_tp` is how the launcher will record the rank's place (and
-its process group); layers read the state when they are built, so set it before building.
+With one rank this is rank 0 of a group of size 1 and the collectives below are no-ops.
+`init_distributed` (comm.py) records a rank's place and process group through `set_tp`; layers
+read the state when they are built, so it is set before the model is.
 """
 
 from __future__ import annotations

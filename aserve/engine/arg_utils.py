@@ -28,6 +28,16 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"  # auto | cuda | rocm | xla | cpu
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
+    tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
+    pipeline_parallel_size: int = 1  # only 1 for now: pipeline stages are not implemented
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1.")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported yet: aserve splits a "
+                             "model across ranks by tensor parallelism only "
+                             "(--tensor-parallel-size).")
     served_model_name: str | None = None
 
     def model_config(self) -> ModelConfig:

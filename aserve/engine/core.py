@@ -33,15 +33,25 @@ from aserve.engine.messages import (
     ResetPrefixCache,
     Shutdown,
 )
+from aserve.executor.base import Executor
+from aserve.executor.multiproc import MultiprocExecutor
 from aserve.executor.uniproc import UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
 
+def make_executor(args: EngineArgs) -> Executor:
+    """One rank in this process, or `tensor_parallel_size` ranks (the others spawned)."""
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(args.model_config(), args.block_size, args.device,
+                               args.enforce_eager, args.max_num_seqs)
+    return MultiprocExecutor(args.model_config(), args.block_size, args.device,
+                             args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size)
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
-        self.executor = UniProcExecutor(args.model_config(), args.block_size, args.device,
-                                        args.enforce_eager, args.max_num_seqs)
+        self.executor = make_executor(args)
         self.model_info: ModelInfo = self.executor.model_info()
         max_model_len = self.model_info.max_model_len
         # No more blocks than `max_num_seqs` requests of maximal length can use.
@@ -158,6 +168,9 @@ def run_engine_thread(args: EngineArgs, inbox: queue.SimpleQueue[Command],
         logger.exception("The engine failed to start")
         publish(EngineDead(f"The engine failed to start: {type(e).__name__}: {e}"))
         return
+    # A rank that dies is reported from the executor's watcher thread: the frontend fails
+    # in-flight requests and turns unhealthy even while this thread waits on a collective.
+    core.executor.on_failure = lambda reason: publish(EngineDead(f"The engine failed: {reason}"))
     publish(EngineReady(core.model_info, core.num_blocks))
     try:
         core.run_busy_loop(inbox, publish)

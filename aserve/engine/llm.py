@@ -28,7 +28,9 @@ class LLM:
 
     Keyword arguments are `EngineArgs` fields: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, kv_cache_memory, num_kv_blocks,
-    seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device.
+    seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device, async_scheduling,
+    enforce_eager, tensor_parallel_size. With several ranks, `shutdown()` (or leaving a `with`
+    block) stops them; they are also stopped when the interpreter exits.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
@@ -42,6 +44,16 @@ class LLM:
         self.processor = Processor(self.tokenizer, self.model_info)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker thread and ranks; the LLM is unusable afterwards."""
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -8,6 +8,7 @@ model, computes logits only where a request samples, and samples.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,9 +44,18 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        # Set by a multi-rank executor: sends each step's inputs to the other ranks just before
+        # rank 0 runs them, so that every rank runs the same forward.
+        self.publish_inputs: Callable[[PreparedInputs], None] | None = None
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank holds (its tensor-parallel share)."""
+        return self.model.attention_layers()[0].num_kv_heads
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size, self.device)
+        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size,
+                                            self.num_kv_heads, self.device)
         ops = self.platform.attention_ops(self.arch.dtype)
         for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.bind_kv_cache(kv_cache, ops)
@@ -106,6 +116,8 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                 self.block_size)
+        if self.publish_inputs is not None:
+            self.publish_inputs(inputs)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab]
         forward_seconds = time.perf_counter() - start

@@ -11,12 +11,14 @@ the platform's default budget (CPU: host memory); else (GPUs) by profiling:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
 from aserve.backends import Platform, set_platform
 from aserve.config import ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aserve.distributed import DistributedConfig, init_distributed
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.kv_cache import kv_cache_bytes_per_block
@@ -28,11 +30,14 @@ logger = logging.getLogger(__name__)
 class Worker:
     def __init__(self, model_config: ModelConfig, block_size: int,
                  device: str | Platform = "auto", local_rank: int = 0,
-                 enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
+                 enforce_eager: bool = False, max_num_seqs: int = 256,
+                 distributed: DistributedConfig | None = None) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
         self.platform.set_device(self.device)
+        if distributed is not None:  # before the model is built: layers read their TP place
+            init_distributed(replace(distributed, backend=self.platform.dist_backend))
         self.platform.seed_everything(model_config.seed)
         self.free_at_start, _ = self.platform.mem_info(self.device)
         self.platform.reset_peak_memory()
@@ -47,6 +52,10 @@ class Worker:
             max_model_len=effective_max_model_len(arch, self.model_config.max_model_len),
             eos_token_ids=tuple(arch.eos_token_ids),
         )
+
+    def needs_profiling(self, kv_cache_memory: int | None) -> bool:
+        """Whether `kv_cache_bytes` will run a profiling forward (every rank must then run one)."""
+        return kv_cache_memory is None and self.platform.default_kv_cache_bytes() is None
 
     def kv_cache_bytes(self, kv_cache_memory: int | None, gpu_memory_utilization: float,
                        max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -75,7 +84,8 @@ class Worker:
         return budget
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
-        return num_bytes // kv_cache_bytes_per_block(self.runner.arch, self.block_size)
+        return num_bytes // kv_cache_bytes_per_block(self.runner.arch, self.block_size,
+                                                     self.runner.num_kv_heads)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches."""

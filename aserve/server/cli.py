@@ -68,11 +68,17 @@ ENGINE_HELP = {
                               "KV cache); ignored on CPU",
     "async_scheduling": "schedule the next step while the current one runs",
     "enforce_eager": "run every step eagerly: no CUDA/HIP graphs of decode batches",
+    "tensor_parallel_size": "ranks that split every layer (heads, FFN columns/rows, vocab); "
+                            "this process spawns ranks 1..N-1",
+    "pipeline_parallel_size": "pipeline stages: only 1 is supported for now",
     "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory)",
     "seed": "seed of the sampler's random generator",
     "device": "auto (ROCm, else CUDA, else XLA, else CPU) | cuda | rocm | xla | cpu",
     "served_model_name": "the model's name in the API (default: --model as given)",
 }
+
+
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
 
 
 class UsageError(Exception):
@@ -118,11 +124,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if default is not None and default != "" and "default:" not in help_text:
             help_text += f" (default: {default})"
         kind = _flag_type(f.name, f.type)
+        flags = [flag, *SHORT_FLAGS.get(f.name, ())]
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=None if f.name == "model" else default,
+            group.add_argument(*flags, type=kind, default=None if f.name == "model" else default,
                                help=help_text, metavar=_METAVARS.get(kind, f.name.upper()))
 
 

@@ -1,0 +1,73 @@
+"""Process groups and the control channel of a multi-rank engine.
+
+    rank 0 (the process the user started)      ranks 1..N-1 (workers)
+    scheduler, HTTP, engine thread             no scheduler: they loop on control messages
+        │  broadcast(("step", inputs)) ─────────────► run the same forward on their shard
+        │  collectives inside the model (all-reduce, all-gather) pair up rank by rank
+
+`init_distributed` joins the world through a TCP rendezvous (rank 0's address and port), makes
+the tensor-parallel group (the whole world while pipeline parallelism is 1) and a gloo group for
+control messages, so that they travel over host memory even when the model's collectives use
+NCCL. Control messages are small tuples of ints and numpy arrays, pickled once per step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from aserve.distributed.state import set_tp
+
+_control_group: Any = None
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Where this process sits: `rank` of `world_size`, TCP rendezvous at rank 0's address."""
+
+    rank: int
+    world_size: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
+    timeout_s: float = 600.0
+
+
+def init_distributed(config: DistributedConfig) -> None:
+    """Join the process group and record this rank's tensor-parallel place."""
+    global _control_group
+    dist.init_process_group(
+        config.backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
+        rank=config.rank, world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.timeout_s))
+    world = dist.group.WORLD
+    _control_group = world if config.backend == "gloo" else dist.new_group(backend="gloo")
+    set_tp(config.rank, config.world_size, world)
+
+
+def broadcast_control(message: Any = None, src: int = 0) -> Any:
+    """Rank `src` sends `message` to every rank; every rank returns it."""
+    if dist.get_rank() == src:
+        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src, group=_control_group)
+    if dist.get_rank() != src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(payload, src, group=_control_group)
+    return message if dist.get_rank() == src else pickle.loads(payload.numpy().tobytes())
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (if joined) and go back to one rank."""
+    global _control_group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control_group = None
+    set_tp(0, 1, None)

@@ -1,0 +1,64 @@
+"""What every executor shares: rank 0's `Worker` in this process, KV-cache sizing, and the one
+"aserve-worker" thread that runs steps for async scheduling.
+
+`execute_model` runs a step in the calling (engine) thread. `submit` hands it to the worker
+thread and returns a future, so that the engine can schedule the next step while this one runs;
+steps still run one at a time, in submission order. `_broadcast` reaches the other ranks (a
+no-op with one rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from aserve.config import ModelInfo
+from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aserve.runner.worker import Worker
+
+
+class Executor:
+    worker: Worker
+
+    def __init__(self) -> None:
+        self._thread: ThreadPoolExecutor | None = None
+        # Called (from any thread) when a rank dies; set by the engine thread.
+        self.on_failure: Callable[[str], None] | None = None
+
+    def _broadcast(self, message: tuple[Any, ...]) -> None:
+        """Send a control message to ranks 1..N-1."""
+        return None  # one rank: nobody to tell
+
+    def model_info(self) -> ModelInfo:
+        return self.worker.model_info()
+
+    def initialize_kv_cache(self, kv_cache_memory: int | None, num_kv_blocks: int | None,
+                            max_useful_blocks: int, gpu_memory_utilization: float,
+                            max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Size the cache on rank 0 (see `Worker`; every rank holds the same share of kv heads,
+        hence the same bytes per block), allocate it on every rank; return its block count."""
+        num_blocks = num_kv_blocks
+        if num_blocks is None:
+            if self.worker.needs_profiling(kv_cache_memory):
+                self._broadcast(("profile", max_num_batched_tokens, max_num_seqs))
+            num_bytes = self.worker.kv_cache_bytes(kv_cache_memory, gpu_memory_utilization,
+                                                   max_num_batched_tokens, max_num_seqs)
+            num_blocks = min(self.worker.num_blocks_for_bytes(num_bytes), max_useful_blocks)
+        self._broadcast(("kv", num_blocks))
+        self.worker.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
+        return self._thread.submit(self.execute_model, scheduler_output)
+
+    def shutdown(self) -> None:
+        """Wait for a step in flight."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
