@@ -158,3 +158,37 @@ def test_a_dead_rank_turns_health_503_and_fails_in_flight_requests(model_dir_fac
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_two_nodes_serve_together_and_node_0_stops_node_1(model_dir_factory, tmp_path):
+    """Two `python -m aserve` processes as two nodes of one TP=2 engine (one rank each)."""
+    model_dir = model_dir_factory("llama")
+    port, master_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    common = ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "256", "-tp",
+              "2", "--nnodes", "2", "--master-port", str(master_port)]
+    with open(tmp_path / "node1.log", "w") as log1:
+        node1 = subprocess.Popen([sys.executable, "-m", "aserve", *common, "--node-rank", "1"],
+                                 stdout=subprocess.DEVNULL, stderr=log1)
+    with open(tmp_path / "node0.log", "w") as log0:
+        node0 = subprocess.Popen([sys.executable, "-m", "aserve", *common, "--port", str(port),
+                                  "--served-model-name", "tiny-2n"],
+                                 stdout=subprocess.DEVNULL, stderr=log0)
+    try:
+        wait_healthy(node0, url)
+        body = {"model": "tiny-2n", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
+                "temperature": 0}
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 5
+        with LLM(model_dir, dtype="float32") as one:  # the text a single rank writes
+            single = one.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5,
+                                                            ignore_eos=True))
+        assert out.json()["choices"][0]["text"] == single[0].outputs[0].text
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(timeout=30) == 0
+        assert node1.wait(timeout=15) == 0, (tmp_path / "node1.log").read_text()[-2000:]
+    finally:
+        for proc in (node0, node1):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -28,10 +28,12 @@ _control_group: Any = None
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Where this process sits: `rank` of `world_size`, TCP rendezvous at rank 0's address."""
+    """Where this process sits: `rank` of `world_size` (`local_rank` on its node), TCP
+    rendezvous at rank 0's address."""
 
     rank: int
     world_size: int
+    local_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU

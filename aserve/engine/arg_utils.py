@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -30,10 +31,26 @@ class EngineArgs:
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
     pipeline_parallel_size: int = 1  # only 1 for now: pipeline stages are not implemented
+    # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
+    # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
+    # MASTER_ADDR, MASTER_PORT) when set.
+    nnodes: int = field(default_factory=lambda: int(os.environ.get("NNODES", 1)))
+    node_rank: int = field(default_factory=lambda: int(
+        os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0))))
+    master_addr: str = field(default_factory=lambda: os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    master_port: int | None = field(default_factory=lambda: int(os.environ["MASTER_PORT"])
+                                    if "MASTER_PORT" in os.environ else None)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1.")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.nnodes < 1 or world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"{world_size} ranks cannot be split over nnodes={self.nnodes} "
+                             f"(node_rank={self.node_rank}): every node runs world/nnodes ranks.")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need --master-port (and --master-addr: node 0's "
+                             "address), the same on every node.")
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline_parallel_size > 1 is not supported yet: aserve splits a "
                              "model across ranks by tensor parallelism only "

@@ -33,6 +33,7 @@ from aserve.engine.messages import (
     ResetPrefixCache,
     Shutdown,
 )
+from aserve.executor import multiproc
 from aserve.executor.base import Executor
 from aserve.executor.multiproc import MultiprocExecutor
 from aserve.executor.uniproc import UniProcExecutor
@@ -46,7 +47,15 @@ def make_executor(args: EngineArgs) -> Executor:
         return UniProcExecutor(args.model_config(), args.block_size, args.device,
                                args.enforce_eager, args.max_num_seqs)
     return MultiprocExecutor(args.model_config(), args.block_size, args.device,
-                             args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size)
+                             args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size,
+                             args.nnodes, args.master_addr, args.master_port)
+
+
+def run_worker_node(args: EngineArgs) -> None:
+    """Node `args.node_rank` > 0 of a multi-node engine: run its ranks until node 0 stops."""
+    multiproc.run_worker_node(args.model_config(), args.block_size, args.device,
+                              args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size,
+                              args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 class EngineCore:

@@ -1,4 +1,5 @@
-"""The executor for several ranks on one node: rank 0 here, ranks 1..N-1 spawned processes.
+"""The executor for several ranks: rank 0 here, the node's other ranks spawned processes, and
+(multi-node) the other nodes' ranks started there by `run_worker_node`.
 
     rank 0 (engine thread)                         rank r > 0 (`worker_main`)
     Worker + scheduler-side runner                 Worker, no scheduler state
@@ -42,11 +43,11 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce_eager: bool,
-                max_num_seqs: int, distributed: DistributedConfig) -> None:
+                max_num_seqs: int, distributed: DistributedConfig, threads: int) -> None:
     """Body of rank r > 0: join the group, load the shard, serve control messages until told
     to stop (or until rank 0 goes away, which breaks the control channel)."""
-    torch.set_num_threads(_threads_per_rank(distributed.world_size))
-    worker = Worker(model_config, block_size, device, local_rank=distributed.rank,
+    torch.set_num_threads(threads)
+    worker = Worker(model_config, block_size, device, local_rank=distributed.local_rank,
                     enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
                     distributed=distributed)
     try:
@@ -65,27 +66,60 @@ def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce
         shutdown_distributed()
 
 
+def spawn_ranks(model_config: ModelConfig, block_size: int, device: str, enforce_eager: bool,
+                max_num_seqs: int, world_size: int, nnodes: int, node_rank: int,
+                master_addr: str, master_port: int, first_local_rank: int
+                ) -> list[multiprocessing.Process]:
+    """Start this node's ranks from `first_local_rank` on, as daemon processes."""
+    per_node = world_size // nnodes
+    context = multiprocessing.get_context("spawn")
+    procs = []
+    for local in range(first_local_rank, per_node):
+        config = DistributedConfig(node_rank * per_node + local, world_size, local, master_addr,
+                                   master_port)
+        procs.append(context.Process(
+            target=worker_main, name=f"aserve-rank{config.rank}", daemon=True,
+            args=(model_config, block_size, device, enforce_eager, max_num_seqs, config,
+                  _threads_per_rank(per_node))))
+        procs[-1].start()
+    return procs
+
+
+def run_worker_node(model_config: ModelConfig, block_size: int, device: str,
+                    enforce_eager: bool, max_num_seqs: int, world_size: int, nnodes: int,
+                    node_rank: int, master_addr: str, master_port: int) -> None:
+    """A node other than 0: its ranks only (no scheduler, no server), until node 0 stops them;
+    its first rank runs in this process, the others are spawned."""
+    procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
+                        world_size, nnodes, node_rank, master_addr, master_port, 1)
+    per_node = world_size // nnodes
+    try:
+        worker_main(model_config, block_size, device, enforce_eager, max_num_seqs,
+                    DistributedConfig(node_rank * per_node, world_size, 0, master_addr,
+                                      master_port), _threads_per_rank(per_node))
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
 class MultiprocExecutor(Executor):
     def __init__(self, model_config: ModelConfig, block_size: int, device: str,
-                 enforce_eager: bool, max_num_seqs: int, world_size: int,
+                 enforce_eager: bool, max_num_seqs: int, world_size: int, nnodes: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
         super().__init__()
         self.world_size = world_size
         self._stopping = False
-        config = DistributedConfig(0, world_size, master_addr, master_port or free_port())
-        context = multiprocessing.get_context("spawn")
-        self.procs = [
-            context.Process(target=worker_main, name=f"aserve-rank{rank}", daemon=True,
-                            args=(model_config, block_size, device, enforce_eager, max_num_seqs,
-                                  DistributedConfig(rank, world_size, config.master_addr,
-                                                    config.master_port)))
-            for rank in range(1, world_size)]
-        for proc in self.procs:
-            proc.start()
-        torch.set_num_threads(_threads_per_rank(world_size))
+        port = master_port or free_port()
+        self.procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
+                                 world_size, nnodes, 0, master_addr, port, 1)
+        torch.set_num_threads(_threads_per_rank(world_size // nnodes))
         try:
             self.worker = Worker(model_config, block_size, device, enforce_eager=enforce_eager,
-                                 max_num_seqs=max_num_seqs, distributed=config)
+                                 max_num_seqs=max_num_seqs,
+                                 distributed=DistributedConfig(0, world_size, 0, master_addr,
+                                                               port))
         except BaseException:
             self._kill_workers()
             raise

@@ -71,6 +71,13 @@ ENGINE_HELP = {
     "tensor_parallel_size": "ranks that split every layer (heads, FFN columns/rows, vocab); "
                             "this process spawns ranks 1..N-1",
     "pipeline_parallel_size": "pipeline stages: only 1 is supported for now",
+    "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
+              "$NNODES or 1)",
+    "node_rank": "this node's index; node 0 serves HTTP, the others run ranks only (default: "
+                 "$NODE_RANK / $GROUP_RANK or 0)",
+    "master_addr": "node 0's address for the rendezvous (default: $MASTER_ADDR or 127.0.0.1)",
+    "master_port": "rendezvous port, the same on every node (default: $MASTER_PORT, else a "
+                   "free port on one node)",
     "num_kv_blocks": "number of KV cache blocks (overrides --kv-cache-memory)",
     "seed": "seed of the sampler's random generator",
     "device": "auto (ROCm, else CUDA, else XLA, else CPU) | cuda | rocm | xla | cpu",
@@ -235,6 +242,20 @@ def generate_offline(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- other nodes
+
+def run_worker_node(engine_args: EngineArgs) -> int:
+    """Nodes 1..nnodes-1 serve no HTTP: they run their ranks until node 0 stops them."""
+    from aserve.engine.core import run_worker_node as run_ranks
+
+    print(f"aserve {aserve.__version__} node {engine_args.node_rank}/{engine_args.nnodes}: "
+          f"ranks joining {engine_args.master_addr}:{engine_args.master_port}",
+          file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_ranks(engine_args)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- serving
 
 class _StartupLogFilter(logging.Filter):
@@ -354,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.tokenizer is not None:
             ns.tokenizer = resolve_model(ns.tokenizer)
         engine_args = engine_args_from(ns)
+        if engine_args.node_rank > 0:
+            return run_worker_node(engine_args)
         if ns.prompt:
             return generate_offline(engine_args, ns)
         return serve(engine_args, ns)
