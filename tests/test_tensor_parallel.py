@@ -1,6 +1,7 @@
-"""Tensor parallelism on CPU (gloo, 2 processes): greedy output with TP=2 equals transformers'
-token for token — GQA with more ranks than kv heads, a vocabulary that does not split evenly,
-tied embeddings, chunked prefill and prefix-cache hits included; the server started with `-tp 2`
+"""Tensor and pipeline parallelism on CPU (gloo, 2-4 processes): greedy output with TP=2, PP=2
+and TP=2 x PP=2 equals transformers' token for token — GQA with more ranks than kv heads, a
+vocabulary that does not split evenly, tied embeddings, chunked prefill, prefix-cache hits and
+preemption included; the server started with `-tp 2`
 answers an OpenAI client and leaves no process behind after SIGTERM; a rank that dies turns
 `/health` to 503 and fails in-flight requests instead of hanging them."""
 
@@ -45,20 +46,39 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
+LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_greedy_matches_hf(model_dir_factory, case):
+def test_parallel_greedy_matches_hf(model_dir_factory, case, layout):
     arch, overrides = CASES[case]
     model_dir = model_dir_factory(arch, **overrides)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 16, 33, 50, 9)]
     expected = hf_greedy(model_dir, prompts)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
-    with LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=24,
-             block_size=4) as llm:
+    with LLM(model_dir, dtype="float32", max_num_batched_tokens=24, block_size=4,
+             **LAYOUTS[layout]) as llm:
         for _ in range(2):  # the second pass hits the prefix cache
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             assert [o.outputs[0].token_ids for o in outputs] == expected
         assert llm.stats().prefix_cache_hits > 0
+
+
+def test_tp2_pp2_greedy_matches_hf_under_preemption(model_dir_factory):
+    """Four ranks: two stages of two tensor-parallel ranks each; a cache small enough to
+    preempt."""
+    model_dir = model_dir_factory("llama", num_hidden_layers=3)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (30, 41, 12, 50)]
+    expected = hf_greedy(model_dir, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2,
+             num_kv_blocks=10, block_size=8, max_model_len=80) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert llm.stats().num_preemptions > 0
 
 
 def children_of(pid: int) -> set[int]:

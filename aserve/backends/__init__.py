@@ -2,8 +2,9 @@
 
     select_platform("auto")   ROCm if torch is a HIP build with a visible GPU, else CUDA if
                               torch.cuda.is_available(), else XLA if torch_xla has an
-                              accelerator, else CPU
+                              accelerator (not its PJRT CPU device), else CPU
     select_platform("cuda")   that platform, or ValueError saying what its probe found
+    select_platform("xla")    any PJRT device, the CPU one included
 
 Each adapter's static `probe()` decides availability; selection calls nothing else, so tests
 fake a device by replacing probes. Importing this package never imports torch_xla: only the XLA
@@ -28,7 +29,8 @@ _current: Platform | None = None
 
 
 def select_platform(device: str = "auto") -> Platform:
-    """The platform for `--device`: the first available one for "auto", else the one named.
+    """The platform for `--device`: for "auto" the first one available and auto-selectable,
+    else the one named (available is enough).
 
     Raises ValueError for an unknown name or a named platform that is not available, quoting
     what its probe checked.
@@ -48,7 +50,7 @@ def _first_available() -> Platform:
     found = []
     for platform in PLATFORMS:
         probe = platform.probe()
-        if probe.available:
+        if probe.available and probe.auto_selectable:
             return platform()
         found.append(f"{platform.name}: {probe.detail}")
     raise ValueError("no platform is available: " + "; ".join(found))

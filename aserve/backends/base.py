@@ -26,10 +26,14 @@ class Probe:
     detail: what was checked and what it returned, in words, e.g.
         "torch.cuda.is_available() is False (torch 2.6.0+cpu, built without CUDA)";
         selection errors quote it so that the user sees why a device was refused.
+    auto_selectable: whether "--device auto" may pick the platform when it is available; False
+        for a device that only an explicit choice should get (torch_xla's PJRT CPU device,
+        which is the host CPU behind a slower, compiling path).
     """
 
     available: bool
     detail: str
+    auto_selectable: bool = True
 
 
 class Platform(ABC):
@@ -92,6 +96,16 @@ class Platform(ABC):
     def empty_cache(self) -> None:
         """Release cached, unused device memory; kinds without a caching allocator do nothing."""
         return None  # the default: nothing to do
+
+    def mark_step(self) -> None:
+        """End this step's lazily traced graph and launch it (XLA); the runner calls it once per
+        step, after the forward. Kinds that run ops eagerly do nothing."""
+        return None  # the default: nothing to do
+
+    def generator_device(self, device: torch.device) -> torch.device:
+        """Where `torch.Generator`s for random draws on `device` live; kinds without device
+        generators (XLA) draw on the host and copy the draws over."""
+        return device
 
     def seed_everything(self, seed: int) -> None:
         """Seed Python's and torch's generators (torch's seeds every CUDA/HIP device too)."""

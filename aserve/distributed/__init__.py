@@ -6,17 +6,24 @@ from aserve.distributed.comm import (
     DistributedConfig,
     broadcast_control,
     init_distributed,
+    recv_from_stage,
+    send_to_stage,
     shutdown_distributed,
 )
 from aserve.distributed.state import (
+    get_pp_rank,
+    get_pp_size,
     get_tp_rank,
     get_tp_size,
+    set_pp,
     set_tp,
+    stage_layers,
     tp_all_gather,
     tp_all_reduce,
 )
 
 __all__ = [
-    "DistributedConfig", "broadcast_control", "get_tp_rank", "get_tp_size", "init_distributed",
-    "set_tp", "shutdown_distributed", "tp_all_gather", "tp_all_reduce",
+    "DistributedConfig", "broadcast_control", "get_pp_rank", "get_pp_size", "get_tp_rank",
+    "get_tp_size", "init_distributed", "recv_from_stage", "send_to_stage", "set_pp", "set_tp",
+    "shutdown_distributed", "stage_layers", "tp_all_gather", "tp_all_reduce",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aserve.distributed.state import set_tp
+from aserve.distributed.state import get_tp_rank, get_tp_size, set_pp, set_tp
 
 _control_group: Any = None
 
@@ -38,10 +38,15 @@ class DistributedConfig:
     master_port: int = 29500
     backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
     timeout_s: float = 600.0
+    tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
 
 
 def init_distributed(config: DistributedConfig) -> None:
-    """Join the process group and record this rank's tensor-parallel place."""
+    """Join the process group and record this rank's tensor-parallel and pipeline place.
+
+    Ranks are laid out stage-major: rank = stage * tp_size + tp_rank, so a stage's TP group is
+    consecutive ranks (on one node when a node holds a whole stage).
+    """
     global _control_group
     dist.init_process_group(
         config.backend, init_method=f"tcp://{config.master_addr}:{config.master_port}",
@@ -49,7 +54,32 @@ def init_distributed(config: DistributedConfig) -> None:
         timeout=datetime.timedelta(seconds=config.timeout_s))
     world = dist.group.WORLD
     _control_group = world if config.backend == "gloo" else dist.new_group(backend="gloo")
-    set_tp(config.rank, config.world_size, world)
+    tp_size = config.tp_size or config.world_size
+    pp_size = config.world_size // tp_size
+    tp_group = world
+    if pp_size > 1:  # every rank creates every group, in the same order
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
+                  for s in range(pp_size)]
+        tp_group = groups[config.rank // tp_size]
+    set_tp(config.rank % tp_size, tp_size, tp_group)
+    set_pp(config.rank // tp_size, pp_size)
+
+
+def send_to_stage(tensors: list[torch.Tensor], stage: int) -> None:
+    """Send tensors to the rank of `stage` with this rank's TP index (hidden states onward)."""
+    peer = stage * get_tp_size() + get_tp_rank()
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), peer)
+
+
+def recv_from_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                    stage: int) -> list[torch.Tensor]:
+    """Receive tensors of these shapes from the rank of `stage` with this rank's TP index."""
+    peer = stage * get_tp_size() + get_tp_rank()
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    for tensor in tensors:
+        dist.recv(tensor, peer)
+    return tensors
 
 
 def broadcast_control(message: Any = None, src: int = 0) -> Any:
@@ -73,3 +103,4 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
     _control_group = None
     set_tp(0, 1, None)
+    set_pp(0, 1)

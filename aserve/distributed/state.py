@@ -14,6 +14,32 @@ import torch
 _tp_rank = 0
 _tp_size = 1
 _tp_group: Any = None  # a torch.distributed ProcessGroup once tensor parallelism exists
+_pp_rank = 0
+_pp_size = 1
+
+
+def get_pp_rank() -> int:
+    """This rank's pipeline stage (0: embeds the tokens; pp_size - 1: computes the logits)."""
+    return _pp_rank
+
+
+def get_pp_size() -> int:
+    return _pp_size
+
+
+def set_pp(rank: int, size: int) -> None:
+    global _pp_rank, _pp_size
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"bad pipeline stage {rank} for size {size}.")
+    _pp_rank, _pp_size = rank, size
+
+
+def stage_layers(num_layers: int) -> range:
+    """The decoder layers this stage runs: an even split, earlier stages one fewer when the
+    count does not divide."""
+    if num_layers < _pp_size:
+        raise ValueError(f"{num_layers} layers cannot be split into {_pp_size} pipeline stages.")
+    return range(_pp_rank * num_layers // _pp_size, (_pp_rank + 1) * num_layers // _pp_size)
 
 
 def get_tp_rank() -> int:

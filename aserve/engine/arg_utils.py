@@ -28,9 +28,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     device: str = "auto"  # auto | cuda | rocm | xla | cpu
+    served_model_name: str | None = None
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
-    pipeline_parallel_size: int = 1  # only 1 for now: pipeline stages are not implemented
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, one batch in flight
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
     # MASTER_ADDR, MASTER_PORT) when set.
@@ -51,11 +52,8 @@ class EngineArgs:
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's "
                              "address), the same on every node.")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline_parallel_size > 1 is not supported yet: aserve splits a "
-                             "model across ranks by tensor parallelism only "
-                             "(--tensor-parallel-size).")
-    served_model_name: str | None = None
+        if self.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be at least 1.")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,

@@ -42,20 +42,24 @@ logger = logging.getLogger(__name__)
 
 
 def make_executor(args: EngineArgs) -> Executor:
-    """One rank in this process, or `tensor_parallel_size` ranks (the others spawned)."""
-    if args.tensor_parallel_size == 1:
+    """One rank in this process, or tp × pp ranks (this node's others spawned)."""
+    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+    if world_size == 1:
         return UniProcExecutor(args.model_config(), args.block_size, args.device,
                                args.enforce_eager, args.max_num_seqs)
     return MultiprocExecutor(args.model_config(), args.block_size, args.device,
-                             args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size,
-                             args.nnodes, args.master_addr, args.master_port)
+                             args.enforce_eager, args.max_num_seqs, world_size,
+                             args.tensor_parallel_size, args.nnodes, args.master_addr,
+                             args.master_port)
 
 
 def run_worker_node(args: EngineArgs) -> None:
     """Node `args.node_rank` > 0 of a multi-node engine: run its ranks until node 0 stops."""
     multiproc.run_worker_node(args.model_config(), args.block_size, args.device,
-                              args.enforce_eager, args.max_num_seqs, args.tensor_parallel_size,
-                              args.nnodes, args.node_rank, args.master_addr, args.master_port)
+                              args.enforce_eager, args.max_num_seqs,
+                              args.tensor_parallel_size * args.pipeline_parallel_size,
+                              args.tensor_parallel_size, args.nnodes, args.node_rank,
+                              args.master_addr, args.master_port)
 
 
 class EngineCore:

@@ -67,7 +67,7 @@ def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce
 
 
 def spawn_ranks(model_config: ModelConfig, block_size: int, device: str, enforce_eager: bool,
-                max_num_seqs: int, world_size: int, nnodes: int, node_rank: int,
+                max_num_seqs: int, world_size: int, tp_size: int, nnodes: int, node_rank: int,
                 master_addr: str, master_port: int, first_local_rank: int
                 ) -> list[multiprocessing.Process]:
     """Start this node's ranks from `first_local_rank` on, as daemon processes."""
@@ -76,7 +76,7 @@ def spawn_ranks(model_config: ModelConfig, block_size: int, device: str, enforce
     procs = []
     for local in range(first_local_rank, per_node):
         config = DistributedConfig(node_rank * per_node + local, world_size, local, master_addr,
-                                   master_port)
+                                   master_port, tp_size=tp_size)
         procs.append(context.Process(
             target=worker_main, name=f"aserve-rank{config.rank}", daemon=True,
             args=(model_config, block_size, device, enforce_eager, max_num_seqs, config,
@@ -86,17 +86,17 @@ def spawn_ranks(model_config: ModelConfig, block_size: int, device: str, enforce
 
 
 def run_worker_node(model_config: ModelConfig, block_size: int, device: str,
-                    enforce_eager: bool, max_num_seqs: int, world_size: int, nnodes: int,
-                    node_rank: int, master_addr: str, master_port: int) -> None:
+                    enforce_eager: bool, max_num_seqs: int, world_size: int, tp_size: int,
+                    nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
     """A node other than 0: its ranks only (no scheduler, no server), until node 0 stops them;
     its first rank runs in this process, the others are spawned."""
     procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
-                        world_size, nnodes, node_rank, master_addr, master_port, 1)
+                        world_size, tp_size, nnodes, node_rank, master_addr, master_port, 1)
     per_node = world_size // nnodes
     try:
         worker_main(model_config, block_size, device, enforce_eager, max_num_seqs,
                     DistributedConfig(node_rank * per_node, world_size, 0, master_addr,
-                                      master_port), _threads_per_rank(per_node))
+                                      master_port, tp_size=tp_size), _threads_per_rank(per_node))
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -106,20 +106,21 @@ def run_worker_node(model_config: ModelConfig, block_size: int, device: str,
 
 class MultiprocExecutor(Executor):
     def __init__(self, model_config: ModelConfig, block_size: int, device: str,
-                 enforce_eager: bool, max_num_seqs: int, world_size: int, nnodes: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int | None = None) -> None:
+                 enforce_eager: bool, max_num_seqs: int, world_size: int, tp_size: int,
+                 nnodes: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None) -> None:
         super().__init__()
         self.world_size = world_size
         self._stopping = False
         port = master_port or free_port()
         self.procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
-                                 world_size, nnodes, 0, master_addr, port, 1)
+                                 world_size, tp_size, nnodes, 0, master_addr, port, 1)
         torch.set_num_threads(_threads_per_rank(world_size // nnodes))
         try:
             self.worker = Worker(model_config, block_size, device, enforce_eager=enforce_eager,
                                  max_num_seqs=max_num_seqs,
                                  distributed=DistributedConfig(0, world_size, 0, master_addr,
-                                                               port))
+                                                               port, tp_size=tp_size))
         except BaseException:
             self._kill_workers()
             raise

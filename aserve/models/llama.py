@@ -2,14 +2,19 @@
 before rope). Siblings differ only by flags read from `ModelArchConfig`.
 
 Parameter names are HF's, except the packed projections listed in `packed_modules`:
-q_proj/k_proj/v_proj load into `qkv_proj` and gate_proj/up_proj into `gate_up_proj`.
+q_proj/k_proj/v_proj load into `qkv_proj` and gate_proj/up_proj into `gate_up_proj`. Under
+pipeline parallelism a rank builds only its stage's layers (`owns_weight` tells the loader which
+checkpoint tensors are its own).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.embedding import LMHead, VocabEmbedding
@@ -79,22 +84,45 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands in for a decoder layer another pipeline stage runs: keeps layer indices (and so
+    checkpoint names) aligned, holds nothing, is never called."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack, or this pipeline stage's share of it: the first stage embeds the
+    tokens, the last applies the final norm; the others pass (hidden, residual) along."""
+
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         dtype = torch.get_default_dtype()
+        self.is_first = get_pp_rank() == 0
+        self.is_last = get_pp_rank() == get_pp_size() - 1
         self.rotary_emb = get_rope(arch.head_dim, arch.rotary_dim, arch.max_position_embeddings,
                                    arch.rope_theta, arch.rope_scaling, dtype)
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        needs_embedding = self.is_first or (self.is_last and arch.tie_word_embeddings)
+        self.embed_tokens = (VocabEmbedding(arch.vocab_size, arch.hidden_size)
+                             if needs_embedding else None)
+        self.owned = stage_layers(arch.num_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary_emb) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            LlamaDecoderLayer(arch, self.rotary_emb) if i in self.owned else MissingLayer()
+            for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        for layer in self.layers:
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T] ids (first stage) or the previous stage's (hidden, residual) -> final hidden
+        states [T, hidden] (last stage) or this stage's (hidden, residual)."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.owned.start:self.owned.stop]:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if not self.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, hidden]
 
@@ -119,14 +147,29 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch)
-        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head = None
+        if self.model.is_last:
+            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
+            if arch.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] (see
+        `LlamaModel.forward` for pipeline stages)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
+
+    def owns_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to this pipeline stage."""
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match:
+            return int(match.group(1)) in self.model.owned
+        parts = {"model.embed_tokens.": self.model.embed_tokens, "model.norm.": self.model.norm,
+                 "lm_head.": self.lm_head}
+        return next((part is not None for prefix, part in parts.items()
+                     if name.startswith(prefix)), True)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
@@ -134,4 +177,4 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         """The attention modules in layer order; the runner binds `kv_cache` on each."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [self.model.layers[i].self_attn.attn for i in self.model.owned]

@@ -149,6 +149,7 @@ def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) 
 def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded."""
     packed = getattr(model, "packed_modules", {})
+    owns = getattr(model, "owns_weight", lambda name: True)  # another pipeline stage's: skip
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
     for path in files:
@@ -156,6 +157,8 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
             for name in f.keys():
                 target, shard_id = _target(name, packed)
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                if not owns(name):
                     continue
                 if target not in params:
                     unexpected.append(name)

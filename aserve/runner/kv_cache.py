@@ -9,14 +9,14 @@ from __future__ import annotations
 import torch
 
 
-def kv_cache_bytes_per_block(arch, block_size: int, num_kv_heads: int) -> int:
-    """Bytes one block takes across every layer (keys and values) on a rank holding
-    `num_kv_heads` kv heads (all of them without tensor parallelism)."""
+def kv_cache_bytes_per_block(arch, block_size: int, num_layers: int, num_kv_heads: int) -> int:
+    """Bytes one block takes over `num_layers` layers (keys and values) on a rank holding
+    `num_kv_heads` kv heads (all layers and heads without pipeline / tensor parallelism)."""
     itemsize = torch.empty((), dtype=arch.dtype).element_size()
-    return 2 * arch.num_layers * block_size * num_kv_heads * arch.head_dim * itemsize
+    return 2 * num_layers * block_size * num_kv_heads * arch.head_dim * itemsize
 
 
-def allocate_kv_caches(arch, num_blocks: int, block_size: int, num_kv_heads: int,
-                       device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(arch, num_blocks: int, block_size: int, num_layers: int,
+                       num_kv_heads: int, device: torch.device) -> list[torch.Tensor]:
     shape = (2, num_blocks, block_size, num_kv_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=arch.dtype, device=device) for _ in range(arch.num_layers)]
+    return [torch.zeros(shape, dtype=arch.dtype, device=device) for _ in range(num_layers)]

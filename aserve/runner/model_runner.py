@@ -16,6 +16,7 @@ import torch
 from aserve.backends import Platform
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from aserve.distributed import get_pp_rank, get_pp_size, recv_from_stage, send_to_stage
 from aserve.layers.attention import AttentionMetadata
 from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
@@ -55,6 +56,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size,
+                                            len(self.model.attention_layers()),
                                             self.num_kv_heads, self.device)
         ops = self.platform.attention_ops(self.arch.dtype)
         for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
@@ -134,15 +136,36 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, forward_seconds)
 
     @torch.inference_mode()
-    def run_model(self, inputs: PreparedInputs) -> torch.Tensor:
-        """The forward and the logits of `inputs.logits_indices`: every tensor-parallel rank
-        runs this on the same inputs (its collectives pair up), only rank 0 samples."""
+    def run_model(self, inputs: PreparedInputs) -> torch.Tensor | None:
+        """The forward and the logits of `inputs.logits_indices`: every rank runs this on the
+        same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
+        each stage runs its layers, hidden states go stage to stage and the logits come back
+        from the last stage to the first; stages in the middle return None."""
+        stage, num_stages = get_pp_rank(), get_pp_size()
+        intermediate = None
+        if stage > 0:
+            shape = (len(inputs.input_ids), self.arch.hidden_size)
+            hidden, residual = recv_from_stage([shape, shape], self.arch.dtype, self.device,
+                                               stage - 1)
+            intermediate = (hidden, residual)
         if self.graphs is not None and self.graphs.can_run(inputs):
-            hidden = self.graphs.run(inputs)  # [num_tokens, hidden_size]
+            out = self.graphs.run(inputs)  # [num_tokens, hidden_size]
         else:
-            hidden = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
-                                self._attn_metadata(inputs))  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[self._tensor(inputs.logits_indices)])
+            out = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
+                             self._attn_metadata(inputs), intermediate)
+        num_rows = len(inputs.logits_indices)
+        if stage < num_stages - 1:
+            send_to_stage(list(out), stage + 1)
+            if stage > 0:
+                return None
+            if num_rows == 0:
+                return torch.empty(0, self.vocab_size, device=self.device)
+            shape = (num_rows, self.vocab_size)
+            return recv_from_stage([shape], torch.float32, self.device, num_stages - 1)[0]
+        logits = self.model.compute_logits(out[self._tensor(inputs.logits_indices)])
+        if stage > 0 and num_rows:
+            send_to_stage([logits], 0)
+        return logits
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
                 logprobs: dict[str, LogprobsLists]) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 from aserve.backends import Platform, set_platform
 from aserve.config import ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from aserve.distributed import DistributedConfig, init_distributed
+from aserve.distributed import DistributedConfig, get_pp_size, init_distributed
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.kv_cache import kv_cache_bytes_per_block
@@ -84,13 +84,15 @@ class Worker:
         return budget
 
     def num_blocks_for_bytes(self, num_bytes: int) -> int:
-        return num_bytes // kv_cache_bytes_per_block(self.runner.arch, self.block_size,
+        arch = self.runner.arch
+        layers_per_stage = -(-arch.num_layers // get_pp_size())  # the most any stage holds
+        return num_bytes // kv_cache_bytes_per_block(arch, self.block_size, layers_per_stage,
                                                      self.runner.num_kv_heads)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches."""
         self.runner.initialize_kv_cache(num_blocks)
-        if self.platform.supports_graphs and not self.enforce_eager:
+        if self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1:
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
 

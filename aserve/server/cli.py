@@ -70,7 +70,8 @@ ENGINE_HELP = {
     "enforce_eager": "run every step eagerly: no CUDA/HIP graphs of decode batches",
     "tensor_parallel_size": "ranks that split every layer (heads, FFN columns/rows, vocab); "
                             "this process spawns ranks 1..N-1",
-    "pipeline_parallel_size": "pipeline stages: only 1 is supported for now",
+    "pipeline_parallel_size": "pipeline stages, each a run of consecutive layers on its own "
+                              "ranks (one batch in flight: no stage overlap yet)",
     "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
               "$NNODES or 1)",
     "node_rank": "this node's index; node 0 serves HTTP, the others run ranks only (default: "

@@ -90,6 +90,23 @@ def test_unknown_device_name_raises_listing_the_choices():
         select_platform("tpu")
 
 
+def test_auto_passes_over_an_available_platform_that_is_not_auto_selectable(monkeypatch):
+    probed = fake_devices(monkeypatch, {"cpu"})
+    monkeypatch.setattr(XlaPlatform, "probe",
+                        staticmethod(lambda: Probe(True, "host-only xla", auto_selectable=False)))
+    assert type(select_platform("auto")) is CpuPlatform
+    assert probed == ["rocm", "cuda", "cpu"]
+    assert type(select_platform("xla")) is XlaPlatform  # an explicit choice takes it
+
+
+def test_auto_with_only_non_auto_selectable_platforms_says_why(monkeypatch):
+    fake_devices(monkeypatch, set())
+    monkeypatch.setattr(XlaPlatform, "probe",
+                        staticmethod(lambda: Probe(True, "host-only xla", auto_selectable=False)))
+    with pytest.raises(ValueError, match="xla: host-only xla"):
+        select_platform("auto")
+
+
 def test_auto_with_nothing_available_reports_every_probe(monkeypatch):
     fake_devices(monkeypatch, set())
     with pytest.raises(ValueError) as error:
@@ -218,11 +235,35 @@ def test_xla_is_available_on_an_accelerator(fake_torch_xla):
     assert XlaPlatform.probe() == Probe(True, "torch_xla PJRT device TPU")
 
 
-@pytest.mark.parametrize(("kind", "why"), [("CPU", "PJRT device is CPU"), (None, "no accelerator")])
-def test_xla_on_the_host_cpu_or_no_device_is_not_available(fake_torch_xla, kind, why):
+def test_xla_accelerator_is_auto_selectable(fake_torch_xla):
+    assert XlaPlatform.probe().auto_selectable
+
+
+@pytest.mark.parametrize("kind", ["CPU", "cpu"])
+def test_xla_on_the_host_cpu_is_available_but_not_auto_selectable(fake_torch_xla, kind):
     fake_torch_xla.runtime.device_type = lambda: kind
     probe = XlaPlatform.probe()
-    assert not probe.available and why in probe.detail
+    assert probe.available and not probe.auto_selectable
+    assert "PJRT device CPU" in probe.detail and "--device auto" in probe.detail
+
+
+def test_xla_with_no_pjrt_device_is_not_available(fake_torch_xla):
+    fake_torch_xla.runtime.device_type = lambda: None
+    probe = XlaPlatform.probe()
+    assert not probe.available and "no PJRT device" in probe.detail
+
+
+def test_explicit_xla_runs_on_the_pjrt_cpu_device(fake_torch_xla):
+    fake_torch_xla.runtime.device_type = lambda: "CPU"
+    assert type(select_platform("xla")) is XlaPlatform
+
+
+def test_auto_skips_the_pjrt_cpu_device_for_the_cpu_platform(fake_torch_xla, monkeypatch):
+    fake_torch_build(monkeypatch, hip=None, cuda=None, num_gpus=0)
+    fake_torch_xla.runtime.device_type = lambda: "CPU"
+    assert type(select_platform("auto")) is CpuPlatform
+    fake_torch_xla.runtime.device_type = lambda: "TPU"
+    assert type(select_platform("auto")) is XlaPlatform
 
 
 def test_xla_probe_reports_a_torch_xla_that_fails_to_import(fake_torch_xla, monkeypatch):
@@ -252,6 +293,35 @@ def test_xla_mem_info_reads_both_torch_xla_formats(fake_torch_xla, info):
 def test_xla_mem_info_without_get_memory_info_says_how_to_size_the_cache(fake_torch_xla):
     with pytest.raises(RuntimeError, match="--kv-cache-memory"):
         XlaPlatform().mem_info()
+
+
+def test_xla_on_the_host_cpu_reads_host_memory_and_budgets_the_kv_cache_like_cpu(
+        fake_torch_xla, tmp_path):
+    fake_torch_xla.runtime.device_type = lambda: "CPU"
+    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, 6 * GiB // 1024)
+    xla = XlaPlatform(host=CpuPlatform(meminfo, tmp_path / "no-cgroup"))
+    assert xla.mem_info(torch.device("xla", 0)) == (6 * GiB, 64 * GiB)
+    assert xla.default_kv_cache_bytes() == 3 * GiB
+
+
+def test_xla_mark_step_cuts_the_graph_with_torch_xla_sync(fake_torch_xla, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sys.modules["torch_xla"], "sync", lambda: calls.append("sync"),
+                        raising=False)
+    fake_torch_xla.xm.wait_device_ops = lambda: calls.append("wait")
+    XlaPlatform().mark_step()
+    XlaPlatform().synchronize()
+    assert calls == ["sync", "sync", "wait"]
+
+
+def test_random_draws_for_xla_are_made_on_the_host_and_elsewhere_on_the_device():
+    assert XlaPlatform().generator_device(torch.device("xla", 0)) == torch.device("cpu")
+    assert CudaPlatform().generator_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert CpuPlatform().generator_device(torch.device("cpu")) == torch.device("cpu")
+
+
+def test_eager_platforms_have_no_graph_to_cut():
+    assert CpuPlatform().mark_step() is None
 
 
 def test_importing_backends_or_selecting_cpu_does_not_import_torch_xla(tmp_path):
@@ -347,9 +417,9 @@ def test_cpu_default_kv_cache_is_4gib_or_half_the_available_memory(tmp_path, ava
     assert CpuPlatform(meminfo, tmp_path / "cg").default_kv_cache_bytes() == expected
 
 
-def test_gpu_platforms_size_the_kv_cache_by_profiling():
+def test_gpu_platforms_size_the_kv_cache_by_profiling(fake_torch_xla):
     assert CudaPlatform().default_kv_cache_bytes() is None
-    assert XlaPlatform().default_kv_cache_bytes() is None
+    assert XlaPlatform().default_kv_cache_bytes() is None  # on a TPU
 
 
 @pytest.mark.parametrize("local_rank", [0, 3])
