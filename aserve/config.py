@@ -19,6 +19,9 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
     # with a placeholder for the token it has not received yet (see Scheduler).
     async_scheduling: bool = False
+    # Batches in flight at once (pipeline stages). Above 1 a request waits for its token in
+    # flight before it is scheduled again: consecutive batches hold different requests.
+    max_batches_in_flight: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):

@@ -103,7 +103,7 @@ class XlaPlatform(Platform):
         earlier step's KV-cache writes, and compile ever more slowly."""
         import torch_xla
 
-        if hasattr(torch_xla, "sync"):  # torch_xla >= 2.8; xm.mark_step is deprecated there
+        if hasattr(torch_xla, "sync"):  # newer torch_xla, which deprecates xm.mark_step
             torch_xla.sync()
         else:
             _xla_model().mark_step()

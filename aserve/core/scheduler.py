@@ -112,8 +112,9 @@ class Scheduler:
         """Tokens to give `request` this step: 0 when it must wait for tokens in flight."""
         num_pending = request.num_output_placeholders
         if num_pending and (request.num_output_tokens + num_pending >= request.max_tokens
-                            or request.num_tokens + num_pending >= self.config.max_model_len):
-            return 0  # the token in flight is its last one, whatever it is
+                            or request.num_tokens + num_pending >= self.config.max_model_len
+                            or self.config.max_batches_in_flight > 1):
+            return 0  # its token in flight is its last one, or the next batch needs it
         num_new = request.num_tokens + num_pending - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:

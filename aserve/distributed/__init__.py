@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from aserve.distributed.comm import (
     DistributedConfig,
-    broadcast_control,
+    flush_sends,
     init_distributed,
+    recv_control,
     recv_from_stage,
+    send_control,
     send_to_stage,
     shutdown_distributed,
 )
@@ -23,7 +25,8 @@ from aserve.distributed.state import (
 )
 
 __all__ = [
-    "DistributedConfig", "broadcast_control", "get_pp_rank", "get_pp_size", "get_tp_rank",
-    "get_tp_size", "init_distributed", "recv_from_stage", "send_to_stage", "set_pp", "set_tp",
-    "shutdown_distributed", "stage_layers", "tp_all_gather", "tp_all_reduce",
+    "DistributedConfig", "flush_sends", "get_pp_rank", "get_pp_size", "get_tp_rank", "get_tp_size",
+    "init_distributed", "recv_control", "recv_from_stage", "send_control", "send_to_stage",
+    "set_pp", "set_tp", "shutdown_distributed", "stage_layers", "tp_all_gather",
+    "tp_all_reduce",
 ]

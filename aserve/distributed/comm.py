@@ -2,19 +2,23 @@
 
     rank 0 (the process the user started)      ranks 1..N-1 (workers)
     scheduler, HTTP, engine thread             no scheduler: they loop on control messages
-        │  broadcast(("step", inputs)) ─────────────► run the same forward on their shard
+        │  send_control(("step", inputs)) ──────────► run the same forward on their shard
         │  collectives inside the model (all-reduce, all-gather) pair up rank by rank
+        │  pipeline stages: hidden states sent stage to stage, logits back to rank 0
 
 `init_distributed` joins the world through a TCP rendezvous (rank 0's address and port), makes
 the tensor-parallel group (the whole world while pipeline parallelism is 1) and a gloo group for
 control messages, so that they travel over host memory even when the model's collectives use
-NCCL. Control messages are small tuples of ints and numpy arrays, pickled once per step.
+NCCL. Control messages are small tuples of ints and numpy arrays, pickled once per step, sent
+point to point without waiting for the receiver, so that rank 0 can start the next batch of a
+pipeline while later stages still run the previous one.
 """
 
 from __future__ import annotations
 
 import datetime
 import pickle
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from aserve.distributed.state import get_tp_rank, get_tp_size, set_pp, set_tp
 
 _control_group: Any = None
+_pending: deque[tuple[Any, torch.Tensor]] = deque()  # sends in flight and their buffers
 
 
 @dataclass(frozen=True)
@@ -65,11 +70,19 @@ def init_distributed(config: DistributedConfig) -> None:
     set_pp(config.rank // tp_size, pp_size)
 
 
+def _isend(tensor: torch.Tensor, peer: int, group: Any = None) -> None:
+    """Send without waiting for the receiver; the buffer is kept until the send completes."""
+    _pending.append((dist.isend(tensor, peer, group=group), tensor))
+    while _pending and _pending[0][0].is_completed():
+        _pending.popleft()
+
+
 def send_to_stage(tensors: list[torch.Tensor], stage: int) -> None:
-    """Send tensors to the rank of `stage` with this rank's TP index (hidden states onward)."""
+    """Send tensors to the rank of `stage` with this rank's TP index (hidden states onward,
+    logits back), without waiting for them to be received."""
     peer = stage * get_tp_size() + get_tp_rank()
     for tensor in tensors:
-        dist.send(tensor.contiguous(), peer)
+        _isend(tensor.contiguous(), peer)
 
 
 def recv_from_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
@@ -82,18 +95,33 @@ def recv_from_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: t
     return tensors
 
 
-def broadcast_control(message: Any = None, src: int = 0) -> Any:
-    """Rank `src` sends `message` to every rank; every rank returns it."""
-    if dist.get_rank() == src:
-        payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
-        size = torch.tensor([payload.numel()], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src, group=_control_group)
-    if dist.get_rank() != src:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(payload, src, group=_control_group)
-    return message if dist.get_rank() == src else pickle.loads(payload.numpy().tobytes())
+def send_control(message: Any) -> None:
+    """Rank 0: send `message` to every other rank, in order, without waiting for them."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    for rank in range(1, dist.get_world_size()):
+        _isend(size, rank, _control_group)
+        _isend(payload, rank, _control_group)
+
+
+def recv_control() -> Any:
+    """Ranks > 0: the next message rank 0 sent."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, 0, group=_control_group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, 0, group=_control_group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def flush_sends(timeout_s: float = 10.0) -> bool:
+    """Wait until every send in flight has been received; False if one did not in time."""
+    try:
+        while _pending:
+            _pending[0][0].wait(datetime.timedelta(seconds=timeout_s))
+            _pending.popleft()
+    except RuntimeError:  # a peer is gone or too slow
+        return False
+    return True
 
 
 def shutdown_distributed() -> None:
@@ -102,5 +130,6 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _control_group = None
+    _pending.clear()
     set_tp(0, 1, None)
     set_pp(0, 1)

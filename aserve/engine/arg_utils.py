@@ -68,7 +68,13 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
+            max_batches_in_flight=self.max_batches_in_flight,
         )
+
+    @property
+    def max_batches_in_flight(self) -> int:
+        """One batch per pipeline stage when scheduling is async; else one."""
+        return self.pipeline_parallel_size if self.async_scheduling else 1
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,

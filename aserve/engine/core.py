@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
@@ -85,7 +86,8 @@ class EngineCore:
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
                                    args.cache_config(num_blocks))
         self.async_scheduling = args.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, Future[ModelRunnerOutput]] | None = None
+        self.max_in_flight = args.max_batches_in_flight
+        self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -98,8 +100,8 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Unfinished requests, or a step in flight whose outputs are still to collect."""
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        """Unfinished requests, or steps in flight whose outputs are still to collect."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
@@ -116,17 +118,21 @@ class EngineCore:
 
             engine thread:  schedule N+1 | wait N | submit N+1 | update N, publish | schedule N+2
             worker thread:  ====== forward N =====|============ forward N+1 ==================
+
+        Under pipeline parallelism up to one batch per stage is in flight: the engine waits for
+        the oldest only when the pipeline is full or there is nothing new to start.
         """
         scheduler_output = None
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self.scheduler.schedule()
-        in_flight, self._in_flight = self._in_flight, None
-        runner_output = in_flight[1].result() if in_flight is not None else None
+        nothing_new = scheduler_output is None or not scheduler_output.total_num_scheduled_tokens
+        done = None
+        if self._in_flight and (len(self._in_flight) >= self.max_in_flight or nothing_new):
+            oldest, future = self._in_flight.popleft()
+            done = (oldest, future.result())
         if scheduler_output is not None:
-            self._in_flight = (scheduler_output, self.executor.submit(scheduler_output))
-        if in_flight is None:
-            return []
-        return self._update(in_flight[0], runner_output)
+            self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
+        return self._update(*done) if done is not None else []
 
     def _update(self, scheduler_output: SchedulerOutput,
                 runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -3,8 +3,10 @@
 
 `execute_model` runs a step in the calling (engine) thread. `submit` hands it to the worker
 thread and returns a future, so that the engine can schedule the next step while this one runs;
-steps still run one at a time, in submission order. `_broadcast` reaches the other ranks (a
-no-op with one rank).
+steps still run one at a time, in submission order. Under pipeline parallelism
+(`max_batches_in_flight` > 1) the worker thread only starts a step (this stage's forward) and an
+"aserve-collector" thread waits for its logits and samples, so that up to one batch per stage is
+in flight. `_broadcast` reaches the other ranks (a no-op with one rank).
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from aserve.runner.worker import Worker
 class Executor:
     worker: Worker
 
+    max_batches_in_flight = 1  # pipeline parallelism: one batch per stage
+
     def __init__(self) -> None:
         self._thread: ThreadPoolExecutor | None = None
+        self._collector: ThreadPoolExecutor | None = None
         # Called (from any thread) when a rank dies; set by the engine thread.
         self.on_failure: Callable[[str], None] | None = None
 
@@ -55,10 +60,34 @@ class Executor:
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
-        return self._thread.submit(self.execute_model, scheduler_output)
+        if self.max_batches_in_flight == 1:
+            return self._thread.submit(self.execute_model, scheduler_output)
+        return self._submit_pipelined(scheduler_output)
+
+    def _submit_pipelined(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Start the step in the worker thread, then hand it to the collector thread, which
+        waits for its logits from the last stage: the worker is free to start the next one."""
+        if self._collector is None:
+            self._collector = ThreadPoolExecutor(1, thread_name_prefix="aserve-collector")
+        runner, done = self.worker.runner, Future()
+
+        def start() -> None:
+            try:
+                step = runner.start_step(scheduler_output)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on `done`
+                done.set_exception(e)
+                return
+            self._collector.submit(runner.finish_step, step).add_done_callback(
+                lambda f: done.set_exception(f.exception()) if f.exception()
+                else done.set_result(f.result()))
+
+        self._thread.submit(start)
+        return done
 
     def shutdown(self) -> None:
-        """Wait for a step in flight."""
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
-            self._thread = None
+        """Wait for the steps in flight."""
+        for name in ("_thread", "_collector"):
+            pool = getattr(self, name)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, name, None)

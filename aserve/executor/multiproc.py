@@ -3,7 +3,7 @@
 
     rank 0 (engine thread)                         rank r > 0 (`worker_main`)
     Worker + scheduler-side runner                 Worker, no scheduler state
-    ("kv", num_blocks)   ── broadcast_control ──►  allocate the same cache (and graphs)
+    ("kv", num_blocks)   ── send_control ───────►  allocate the same cache (and graphs)
     ("step", inputs)     ── before each forward ─► run_model(inputs): same forward, own shard
     ("shutdown",)        ──────────────────────►  leave the group and exit
 
@@ -25,7 +25,13 @@ from multiprocessing.connection import wait
 import torch
 
 from aserve.config import ModelConfig
-from aserve.distributed import DistributedConfig, broadcast_control, shutdown_distributed
+from aserve.distributed import (
+    DistributedConfig,
+    flush_sends,
+    recv_control,
+    send_control,
+    shutdown_distributed,
+)
 from aserve.executor.base import Executor
 from aserve.runner.worker import Worker
 
@@ -52,7 +58,7 @@ def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce
                     distributed=distributed)
     try:
         while True:
-            message = broadcast_control()
+            message = recv_control()
             kind = message[0]
             if kind == "step":
                 worker.runner.run_model(message[1])
@@ -111,6 +117,7 @@ class MultiprocExecutor(Executor):
                  master_port: int | None = None) -> None:
         super().__init__()
         self.world_size = world_size
+        self.max_batches_in_flight = world_size // tp_size  # one per pipeline stage
         self._stopping = False
         port = master_port or free_port()
         self.procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
@@ -124,7 +131,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self._kill_workers()
             raise
-        self.worker.runner.publish_inputs = lambda inputs: broadcast_control(("step", inputs))
+        self.worker.runner.publish_inputs = lambda inputs: send_control(("step", inputs))
         threading.Thread(target=self._watch, name="aserve-rank-watcher", daemon=True).start()
 
     def _watch(self) -> None:
@@ -139,7 +146,7 @@ class MultiprocExecutor(Executor):
             self.on_failure(reason)
 
     def _broadcast(self, message: tuple) -> None:
-        broadcast_control(message)
+        send_control(message)
 
     def shutdown(self) -> None:
         """Stop every rank: ask politely, then terminate whatever is left."""
@@ -147,7 +154,8 @@ class MultiprocExecutor(Executor):
         super().shutdown()
         if all(proc.is_alive() for proc in self.procs):
             try:
-                broadcast_control(("shutdown",))
+                send_control(("shutdown",))
+                flush_sends()
             except Exception:  # noqa: BLE001 - a rank died mid-way: terminate below
                 pass
         for proc in self.procs:

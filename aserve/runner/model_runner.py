@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +27,17 @@ from aserve.runner.kv_cache import allocate_kv_caches
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
+
+
+@dataclass
+class StartedStep:
+    """A step whose forward has started on this rank; `logits` is None until received."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    inputs: PreparedInputs
+    logits: torch.Tensor | None
+    start: float
 
 
 class ModelRunner:
@@ -109,23 +121,39 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish_step(self.start_step(so))
+
+    @torch.inference_mode()
+    def start_step(self, so: SchedulerOutput) -> StartedStep | None:
+        """Everything up to the logits: states, inputs (sent to the other ranks), this rank's
+        forward. Under pipeline parallelism the logits come later, in `finish_step`, so that
+        the next batch can start on this stage while the later stages run this one."""
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return None
         states = [self.requests[r] for r in req_ids]
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                 self.block_size)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs)
         start = time.perf_counter()
-        logits = self.run_model(inputs)  # [num_logits_rows, vocab]
-        forward_seconds = time.perf_counter() - start
+        logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
+        return StartedStep(req_ids, states, inputs, logits, start)
+
+    @torch.inference_mode()
+    def finish_step(self, step: StartedStep | None) -> ModelRunnerOutput:
+        """The logits (received from the last stage if need be), sampling, prompt logprobs."""
+        if step is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        states, inputs, logits = step.states, step.inputs, step.logits
+        if logits is None:
+            logits = self.receive_logits(len(inputs.logits_indices))
+        forward_seconds = time.perf_counter() - step.start
         num_sampling = len(inputs.sample_req_indices)
         prompt_logprobs = self._prompt_logprobs(states, inputs, logits[num_sampling:])
-        sampled: list[int | None] = [None] * len(req_ids)
+        sampled: list[int | None] = [None] * len(step.req_ids)
         logprobs: dict[str, LogprobsLists] = {}
         if num_sampling:
             sample_states = [states[i] for i in inputs.sample_req_indices]
@@ -133,14 +161,22 @@ class ModelRunner:
             for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
                 sampled[i] = token_id
                 state.append_output_token_id(token_id)
-        return ModelRunnerOutput(req_ids, sampled, logprobs, prompt_logprobs, forward_seconds)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
+                                 forward_seconds)
+
+    def receive_logits(self, num_rows: int) -> torch.Tensor:
+        """Stage 0: the logits of a step, from the last stage."""
+        if num_rows == 0:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        shape = (num_rows, self.vocab_size)
+        return recv_from_stage([shape], torch.float32, self.device, get_pp_size() - 1)[0]
 
     @torch.inference_mode()
     def run_model(self, inputs: PreparedInputs) -> torch.Tensor | None:
         """The forward and the logits of `inputs.logits_indices`: every rank runs this on the
         same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
-        each stage runs its layers, hidden states go stage to stage and the logits come back
-        from the last stage to the first; stages in the middle return None."""
+        each stage runs its layers and sends its hidden states on (without waiting for them to
+        arrive); only the last stage returns logits, which it also sends back to stage 0."""
         stage, num_stages = get_pp_rank(), get_pp_size()
         intermediate = None
         if stage > 0:
@@ -153,17 +189,11 @@ class ModelRunner:
         else:
             out = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                              self._attn_metadata(inputs), intermediate)
-        num_rows = len(inputs.logits_indices)
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
-            if stage > 0:
-                return None
-            if num_rows == 0:
-                return torch.empty(0, self.vocab_size, device=self.device)
-            shape = (num_rows, self.vocab_size)
-            return recv_from_stage([shape], torch.float32, self.device, num_stages - 1)[0]
+            return None
         logits = self.model.compute_logits(out[self._tensor(inputs.logits_indices)])
-        if stage > 0 and num_rows:
+        if stage > 0 and len(inputs.logits_indices):
             send_to_stage([logits], 0)
         return logits
 

@@ -22,11 +22,13 @@ EOS = 0
 
 def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_num_seqs: int = 16,
                    max_model_len: int = 64, threshold: int = 0, policy: str = "fcfs",
-                   caching: bool = True, async_scheduling: bool = False) -> Scheduler:
+                   caching: bool = True, async_scheduling: bool = False,
+                   max_batches_in_flight: int = 1) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_model_len, long_prefill_token_threshold=threshold,
-                        policy=policy, async_scheduling=async_scheduling),
+                        policy=policy, async_scheduling=async_scheduling,
+                        max_batches_in_flight=max_batches_in_flight),
         CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching))
 
 
@@ -621,3 +623,17 @@ def test_async_preempted_request_resamples_the_token_it_had_in_flight() -> None:
     assert scheduler.num_preemptions > 0
     assert runner.streamed["a"] == [100 + p for p in range(7, 15)]
     assert runner.streamed["b"] == [100 + p for p in range(7, 15)]
+
+
+def test_pipelined_batches_hold_different_requests_until_tokens_arrive() -> None:
+    """Two batches in flight (two pipeline stages): a request whose token is still in flight
+    sits out the next batch, so that batch N+1 never needs a token batch N has not produced."""
+    scheduler = make_scheduler(budget=8, async_scheduling=True, max_batches_in_flight=2)
+    for name, start in (("a", 1), ("b", 20)):
+        scheduler.add_request(make_request(name, tokens(start, 8), max_tokens=4, ignore_eos=True))
+    first = scheduler.schedule()  # the budget takes a's prompt only
+    second = scheduler.schedule()  # a waits for its token: b's prompt goes alone
+    third = scheduler.schedule()  # both wait
+    assert first.num_scheduled_tokens == {"a": 8} and second.num_scheduled_tokens == {"b": 8}
+    assert third.total_num_scheduled_tokens == 0
+    scheduler.check_invariants()
