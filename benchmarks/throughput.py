@@ -63,10 +63,12 @@ def run_hf(args, prompts: list[list[int]]) -> dict:
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype or "auto").eval()
+    model = model.to(args.hf_device)
     batch = args.hf_batch_size
 
     def generate(batch_prompts: list[list[int]], max_new: int) -> int:
-        ids = torch.tensor(batch_prompts)  # all prompts have the same length: no padding
+        # all prompts have the same length: no padding
+        ids = torch.tensor(batch_prompts, device=args.hf_device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
         return (out.shape[1] - ids.shape[1]) * ids.shape[0]
@@ -112,6 +114,7 @@ def main() -> int:
                     help="also run aserve without async scheduling; report async / sync")
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-device", default="cpu", help="where HF transformers runs (e.g. cuda)")
     args = ap.parse_args()
 
     vocab_size = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
