@@ -66,3 +66,28 @@ def test_enforce_eager_captures_nothing(model_dir_factory, monkeypatch):
     monkeypatch.setattr(worker_module, "set_platform", lambda device: platform)
     llm = LLM(model_dir_factory("llama"), dtype="float32", max_num_seqs=4, enforce_eager=True)
     assert platform.captured == [] and llm.engine_core.executor.worker.runner.graphs is None
+
+
+class StaticShapePlatform(CpuPlatform):
+    static_shapes = True
+
+
+def test_static_shape_platforms_see_power_of_two_token_counts_and_same_tokens(
+        model_dir_factory, monkeypatch):
+    """XLA's strategy, on CPU: every forward's token count is a power of two (>= 16), padding
+    rows write no K/V, and greedy tokens are unchanged."""
+    model_dir = model_dir_factory("llama")
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(n)]}
+               for n in (5, 19, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(model_dir, dtype="float32").generate(prompts, params)]
+    monkeypatch.setattr(worker_module, "set_platform", lambda device: StaticShapePlatform())
+    llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=24, block_size=4)
+    seen = []
+    embed = llm.engine_core.executor.worker.runner.model.model.embed_tokens
+    embed.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert seen and all(n >= 16 and n & (n - 1) == 0 for n in seen)
+    assert set(seen) <= {16, 32}

@@ -47,7 +47,8 @@ class Platform(ABC):
             "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
             decode rows, the torch reference otherwise) or "ref" (the torch reference only).
         supports_graphs: whether decode batches may be captured as CUDA/HIP graphs.
-        pin_memory: whether host tensors bound for the device are staged in pinned memory.
+        static_shapes: whether the runner pads each batch's token count to a power of two, so
+            that a compiling backend (XLA) sees few distinct shapes.
 
     Contract:
         - `probe()` is a static method that never raises and has no side effect beyond importing
@@ -66,7 +67,7 @@ class Platform(ABC):
     dist_backend: ClassVar[str]
     attention_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
-    pin_memory: ClassVar[bool] = False
+    static_shapes: ClassVar[bool] = False
 
     @staticmethod
     @abstractmethod

@@ -19,7 +19,6 @@ class CudaPlatform(Platform):
     dist_backend = "nccl"
     attention_backend = "triton"
     supports_graphs = True
-    pin_memory = True
 
     @staticmethod
     def probe() -> Probe:

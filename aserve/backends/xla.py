@@ -43,6 +43,7 @@ class XlaPlatform(Platform):
     name = "xla"
     dist_backend = "xla"
     attention_backend = "ref"
+    static_shapes = True
 
     def __init__(self, host: CpuPlatform | None = None) -> None:
         self.host = host if host is not None else CpuPlatform()

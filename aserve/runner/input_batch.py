@@ -12,7 +12,7 @@ No padding anywhere: token t of the batch belongs to the request whose query ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -91,3 +91,22 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         logits_indices=np.concatenate(rows).astype(np.int64),
         prompt_logprob_spans=spans,
     )
+
+
+def token_bucket(num_tokens: int, smallest: int = 16) -> int:
+    """The power of two (at least `smallest`) a batch of `num_tokens` is padded to."""
+    return max(smallest, 1 << (num_tokens - 1).bit_length())
+
+
+def pad_to_bucket(inputs: PreparedInputs) -> PreparedInputs:
+    """The same batch with its token rows padded to `token_bucket` (static-shape backends such
+    as XLA compile one graph per shape): padding tokens are id 0 at position 0 with slot -1,
+    belong to no request, write no K/V and are never read back."""
+    num_tokens = len(inputs.input_ids)
+    pad = token_bucket(num_tokens) - num_tokens
+    if pad == 0:
+        return inputs
+    return replace(inputs,
+                   input_ids=np.pad(inputs.input_ids, (0, pad)),
+                   positions=np.pad(inputs.positions, (0, pad)),
+                   slot_mapping=np.pad(inputs.slot_mapping, (0, pad), constant_values=-1))

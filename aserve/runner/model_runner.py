@@ -22,7 +22,7 @@ from aserve.layers.attention import AttentionMetadata
 from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
 from aserve.runner.graphs import DecodeGraphs
-from aserve.runner.input_batch import PreparedInputs, prepare_inputs
+from aserve.runner.input_batch import PreparedInputs, pad_to_bucket, prepare_inputs
 from aserve.runner.kv_cache import allocate_kv_caches
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
@@ -136,6 +136,8 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                 self.block_size)
+        if self.platform.static_shapes:
+            inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs)
         start = time.perf_counter()
