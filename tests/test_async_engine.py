@@ -111,7 +111,7 @@ def test_invalid_requests_raise_before_reaching_the_engine(model_dir_factory):
 
 def test_an_engine_thread_failure_fails_in_flight_requests_and_marks_it_dead(
         model_dir_factory, monkeypatch):
-    from aserve.executor.uniproc import UniProcExecutor
+    from aserve.runner.worker import Worker
 
     async def main():
         engine = await started(model_dir_factory("llama"))
@@ -124,7 +124,7 @@ def test_an_engine_thread_failure_fails_in_flight_requests_and_marks_it_dead(
             raise RuntimeError("injected failure")
 
         # The next step fails inside the engine thread.
-        monkeypatch.setattr(UniProcExecutor, "execute_model", boom)
+        monkeypatch.setattr(Worker, "execute_model", boom)
         with pytest.raises(EngineDeadError, match="injected failure"):
             async for _ in stream:
                 pass

@@ -1,9 +1,9 @@
 """What every executor shares: rank 0's `Worker` in this process, KV-cache sizing, and the one
-"aserve-worker" thread that runs steps for async scheduling.
+"aserve-worker" thread in which rank 0 does all its torch work (see `Executor.call`).
 
-`execute_model` runs a step in the calling (engine) thread. `submit` hands it to the worker
-thread and returns a future, so that the engine can schedule the next step while this one runs;
-steps still run one at a time, in submission order. Under pipeline parallelism
+`execute_model` runs a step and waits for it. `submit` starts it and returns a future, so that
+the engine can schedule the next step while this one runs (async scheduling); steps still run
+one at a time, in submission order. Under pipeline parallelism
 (`max_batches_in_flight` > 1) the worker thread only starts a step (this stage's forward) and an
 "aserve-collector" thread waits for its logits and samples, so that up to one batch per stage is
 in flight. `_broadcast` reaches the other ranks (a no-op with one rank).
@@ -13,23 +13,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from aserve.config import ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.runner.worker import Worker
 
+T = TypeVar("T")
+
 
 class Executor:
+    """Subclasses build `self.worker` through `self.call(Worker, ...)`: in the worker thread."""
+
     worker: Worker
 
     max_batches_in_flight = 1  # pipeline parallelism: one batch per stage
 
     def __init__(self) -> None:
-        self._thread: ThreadPoolExecutor | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
         self._collector: ThreadPoolExecutor | None = None
         # Called (from any thread) when a rank dies; set by the engine thread.
         self.on_failure: Callable[[str], None] | None = None
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` in the worker thread and wait for it.
+
+        Every torch call of this rank goes through the one worker thread: CPU kernels
+        parallelise with OpenMP, whose thread pools belong to the thread that starts a parallel
+        region, and two such threads (say the engine thread loading the model and the worker
+        thread running it) leave two pools fighting over the cores: small ops then run ~2-5x
+        slower on this project's 2-core machines.
+        """
+        return self._thread.submit(fn, *args, **kwargs).result()
 
     def _broadcast(self, message: tuple[Any, ...]) -> None:
         """Send a control message to ranks 1..N-1."""
@@ -43,6 +58,13 @@ class Executor:
                             max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Size the cache on rank 0 (see `Worker`; every rank holds the same share of kv heads,
         hence the same bytes per block), allocate it on every rank; return its block count."""
+        return self.call(self._initialize_kv_cache, kv_cache_memory, num_kv_blocks,
+                         max_useful_blocks, gpu_memory_utilization, max_num_batched_tokens,
+                         max_num_seqs)
+
+    def _initialize_kv_cache(self, kv_cache_memory: int | None, num_kv_blocks: int | None,
+                             max_useful_blocks: int, gpu_memory_utilization: float,
+                             max_num_batched_tokens: int, max_num_seqs: int) -> int:
         num_blocks = num_kv_blocks
         if num_blocks is None:
             if self.worker.needs_profiling(kv_cache_memory):
@@ -55,13 +77,13 @@ class Executor:
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+        """One step, waited for."""
+        return self.submit(scheduler_output).result()
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
+        """One step, started in the worker thread; the future holds its output."""
         if self.max_batches_in_flight == 1:
-            return self._thread.submit(self.execute_model, scheduler_output)
+            return self._thread.submit(self.worker.execute_model, scheduler_output)
         return self._submit_pipelined(scheduler_output)
 
     def _submit_pipelined(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
@@ -85,9 +107,9 @@ class Executor:
         return done
 
     def shutdown(self) -> None:
-        """Wait for the steps in flight."""
-        for name in ("_thread", "_collector"):
-            pool = getattr(self, name)
-            if pool is not None:
-                pool.shutdown(wait=True)
-                setattr(self, name, None)
+        """Wait for the steps in flight, then stop the threads."""
+        if self._collector is not None:
+            self._thread.submit(lambda: None).result()  # every start handed to the collector
+            self._collector.shutdown(wait=True)
+            self._collector = None
+        self._thread.shutdown(wait=True)

@@ -122,12 +122,12 @@ class MultiprocExecutor(Executor):
         port = master_port or free_port()
         self.procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
                                  world_size, tp_size, nnodes, 0, master_addr, port, 1)
-        torch.set_num_threads(_threads_per_rank(world_size // nnodes))
         try:
-            self.worker = Worker(model_config, block_size, device, enforce_eager=enforce_eager,
-                                 max_num_seqs=max_num_seqs,
-                                 distributed=DistributedConfig(0, world_size, 0, master_addr,
-                                                               port, tp_size=tp_size))
+            self.call(torch.set_num_threads, _threads_per_rank(world_size // nnodes))
+            self.worker = self.call(Worker, model_config, block_size, device,
+                                    enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
+                                    distributed=DistributedConfig(0, world_size, 0, master_addr,
+                                                                  port, tp_size=tp_size))
         except BaseException:
             self._kill_workers()
             raise

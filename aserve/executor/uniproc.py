@@ -11,5 +11,5 @@ class UniProcExecutor(Executor):
     def __init__(self, model_config: ModelConfig, block_size: int, device: str = "auto",
                  enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
         super().__init__()
-        self.worker = Worker(model_config, block_size, device, enforce_eager=enforce_eager,
-                             max_num_seqs=max_num_seqs)
+        self.worker = self.call(Worker, model_config, block_size, device,
+                                enforce_eager=enforce_eager, max_num_seqs=max_num_seqs)

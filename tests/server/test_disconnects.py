@@ -88,7 +88,7 @@ def test_a_non_streaming_client_that_times_out_aborts_its_request(model_dir_fact
 
 def test_an_engine_failure_turns_health_to_503_and_fails_in_flight(model_dir_factory,
                                                                      monkeypatch):
-    from aserve.executor.uniproc import UniProcExecutor
+    from aserve.runner.worker import Worker
 
     with serving(tiny_app(model_dir_factory("llama"), max_model_len=512)) as url:
         assert httpx.get(f"{url}/health").status_code == 200
@@ -101,7 +101,7 @@ def test_an_engine_failure_turns_health_to_503_and_fails_in_flight(model_dir_fac
             def boom(self, scheduler_output):
                 raise RuntimeError("injected failure")
 
-            monkeypatch.setattr(UniProcExecutor, "execute_model", boom)
+            monkeypatch.setattr(Worker, "execute_model", boom)
             start = time.monotonic()
             events = [line for line in lines if line.startswith("data: ")]
         assert time.monotonic() - start < 10
