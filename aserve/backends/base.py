@@ -47,6 +47,8 @@ class Platform(ABC):
             "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
             decode rows, the torch reference otherwise) or "ref" (the torch reference only).
         supports_graphs: whether decode batches may be captured as CUDA/HIP graphs.
+        supports_inference_mode: whether steps may run under `torch.inference_mode` (else
+            `torch.no_grad`: torch_xla cannot make inference tensors).
         static_shapes: whether the runner pads each batch's token count to a power of two, so
             that a compiling backend (XLA) sees few distinct shapes.
 
@@ -68,6 +70,7 @@ class Platform(ABC):
     attention_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
     static_shapes: ClassVar[bool] = False
+    supports_inference_mode: ClassVar[bool] = True
 
     @staticmethod
     @abstractmethod

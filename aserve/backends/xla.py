@@ -44,6 +44,7 @@ class XlaPlatform(Platform):
     dist_backend = "xla"
     attention_backend = "ref"
     static_shapes = True
+    supports_inference_mode = False
 
     def __init__(self, host: CpuPlatform | None = None) -> None:
         self.host = host if host is not None else CpuPlatform()

@@ -7,9 +7,11 @@ model, computes logits only where a request samples, and samples.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +29,18 @@ from aserve.runner.kv_cache import allocate_kv_caches
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
+
+T = TypeVar("T")
+
+
+def _no_grad(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a runner method without autograd: `inference_mode` where the platform allows it."""
+    @functools.wraps(method)
+    def wrapper(self: ModelRunner, *args, **kwargs):
+        mode = torch.inference_mode if self.platform.supports_inference_mode else torch.no_grad
+        with mode():
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 @dataclass
@@ -53,7 +67,8 @@ class ModelRunner:
             prepack_linear_weights(self.model)
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        self.generator = torch.Generator(device=platform.generator_device(self.device))
+        self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
@@ -80,7 +95,7 @@ class ModelRunner:
                                    max_blocks_per_seq)
         self.graphs.capture()
 
-    @torch.inference_mode()
+    @_no_grad
     def profile_run(self, num_tokens: int, num_reqs: int) -> None:
         """A forward of the largest step (`num_tokens` tokens in `num_reqs` requests) and its
         logits, with no KV cache bound: what activations can take at most, for sizing the cache."""
@@ -124,7 +139,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.finish_step(self.start_step(so))
 
-    @torch.inference_mode()
+    @_no_grad
     def start_step(self, so: SchedulerOutput) -> StartedStep | None:
         """Everything up to the logits: states, inputs (sent to the other ranks), this rank's
         forward. Under pipeline parallelism the logits come later, in `finish_step`, so that
@@ -144,7 +159,7 @@ class ModelRunner:
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
         return StartedStep(req_ids, states, inputs, logits, start)
 
-    @torch.inference_mode()
+    @_no_grad
     def finish_step(self, step: StartedStep | None) -> ModelRunnerOutput:
         """The logits (received from the last stage if need be), sampling, prompt logprobs."""
         if step is None:
@@ -173,7 +188,7 @@ class ModelRunner:
         shape = (num_rows, self.vocab_size)
         return recv_from_stage([shape], torch.float32, self.device, get_pp_size() - 1)[0]
 
-    @torch.inference_mode()
+    @_no_grad
     def run_model(self, inputs: PreparedInputs) -> torch.Tensor | None:
         """The forward and the logits of `inputs.logits_indices`: every rank runs this on the
         same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
@@ -191,6 +206,7 @@ class ModelRunner:
         else:
             out = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                              self._attn_metadata(inputs), intermediate)
+        self.platform.mark_step()  # XLA: run the traced forward (KV-cache writes included) now
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
             return None

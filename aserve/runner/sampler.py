@@ -95,15 +95,18 @@ class Sampler(torch.nn.Module):
         return torch.where(metadata.temperature == 0, greedy, random)
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        noise = torch.empty_like(probs)  # [N, V]
+        """Exponential draws [N, V], made where the generator lives (the host on XLA, which
+        has no device generators) and moved to the logits' device."""
+        shared = self.generator if metadata.generator is None else metadata.generator
+        device = probs.device if shared is None else shared.device
+        noise = torch.empty(probs.shape, dtype=probs.dtype, device=device)  # [N, V]
         if len(metadata.seeded_rows) < probs.shape[0]:
-            shared = self.generator if metadata.generator is None else metadata.generator
             noise.exponential_(generator=shared)
         for row, seed in zip(metadata.seeded_rows, metadata.seeded_generator_seeds, strict=True):
-            generator = torch.Generator(device=probs.device).manual_seed(seed)
+            generator = torch.Generator(device=device).manual_seed(seed)
             noise[row].exponential_(generator=generator)
         # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which argmax picks.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return noise.to(probs.device).clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
