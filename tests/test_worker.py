@@ -64,8 +64,8 @@ def test_given_bytes_win_and_cpu_uses_its_default(model_dir):
     worker = Worker(ModelConfig(str(model_dir), dtype="float32"), 16, "cpu")
     assert worker.kv_cache_bytes(123 << 20, 0.9, 64, 4) == 123 << 20
     free, _ = CpuPlatform().mem_info()
-    default = worker.kv_cache_bytes(None, 0.9, 64, 4)  # min(4 GiB, half the available memory)
-    assert 0 < default <= min(4 * GiB, free * 0.6)
+    default = worker.kv_cache_bytes(None, 0.9, 64, 4)  # min(2 GiB, half the available memory)
+    assert 0 < default <= min(2 * GiB, free * 0.6)
     arch = worker.runner.arch
     per_block = kv_cache_bytes_per_block(arch, 16, arch.num_layers, worker.runner.num_kv_heads)
     assert worker.num_blocks_for_bytes(10 * per_block + 1) == 10

@@ -22,7 +22,7 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     # KV cache size: num_kv_blocks, else kv_cache_memory bytes, else the platform's default
-    # (CPU: min(4 GiB, half the available memory)), else (GPUs) profiled under this utilization.
+    # (CPU: min(2 GiB, half the available memory)), else (GPUs) profiled under this utilization.
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9

@@ -62,7 +62,7 @@ ENGINE_HELP = {
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",
     "kv_cache_memory": "bytes for the KV cache: 2147483648, 4GiB, 512MiB, 1.5G (K/M/G/T are "
-                       "binary, KB/MB/GB/TB decimal) (default: on CPU min(4GiB, half the "
+                       "binary, KB/MB/GB/TB decimal) (default: on CPU min(2GiB, half the "
                        "available memory); on GPUs what --gpu-memory-utilization leaves)",
     "gpu_memory_utilization": "share of GPU memory aserve may use in all (weights, activations, "
                               "KV cache); ignored on CPU",

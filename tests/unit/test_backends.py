@@ -298,10 +298,10 @@ def test_xla_mem_info_without_get_memory_info_says_how_to_size_the_cache(fake_to
 def test_xla_on_the_host_cpu_reads_host_memory_and_budgets_the_kv_cache_like_cpu(
         fake_torch_xla, tmp_path):
     fake_torch_xla.runtime.device_type = lambda: "CPU"
-    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, 6 * GiB // 1024)
+    meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, 3 * GiB // 1024)
     xla = XlaPlatform(host=CpuPlatform(meminfo, tmp_path / "no-cgroup"))
-    assert xla.mem_info(torch.device("xla", 0)) == (6 * GiB, 64 * GiB)
-    assert xla.default_kv_cache_bytes() == 3 * GiB
+    assert xla.mem_info(torch.device("xla", 0)) == (3 * GiB, 64 * GiB)
+    assert xla.default_kv_cache_bytes() == 3 * GiB // 2
 
 
 def test_xla_mark_step_cuts_the_graph_with_torch_xla_sync(fake_torch_xla, monkeypatch):
@@ -410,8 +410,8 @@ def test_cpu_mem_info_falls_back_to_sysconf_without_proc(tmp_path):
     assert 0 < free <= total
 
 
-@pytest.mark.parametrize(("available", "expected"), [(60 * GiB, 4 * GiB), (2 * GiB, GiB)])
-def test_cpu_default_kv_cache_is_4gib_or_half_the_available_memory(tmp_path, available,
+@pytest.mark.parametrize(("available", "expected"), [(60 * GiB, 2 * GiB), (2 * GiB, GiB)])
+def test_cpu_default_kv_cache_is_2gib_or_half_the_available_memory(tmp_path, available,
                                                                    expected):
     meminfo = write_meminfo(tmp_path / "meminfo", 64 * GiB // 1024, available // 1024)
     assert CpuPlatform(meminfo, tmp_path / "cg").default_kv_cache_bytes() == expected
