@@ -32,7 +32,9 @@ def run_aserve(args, prompts: list[list[int]], async_scheduling: bool = True) ->
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=not args.no_prefix_caching,
-              async_scheduling=async_scheduling)
+              async_scheduling=async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size,
+              pipeline_parallel_size=args.pipeline_parallel_size)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: min(4, len(prompts))]],
@@ -110,6 +112,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true")
+    ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--compare-sync", action="store_true",
                     help="also run aserve without async scheduling; report async / sync")
     ap.add_argument("--compare-hf", action="store_true")
@@ -126,6 +130,8 @@ def main() -> int:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "aserve": run_aserve(args, prompts, not args.no_async_scheduling),
     }
     if args.compare_sync:
