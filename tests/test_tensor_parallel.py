@@ -81,6 +81,26 @@ def test_tp2_pp2_greedy_matches_hf_under_preemption(model_dir_factory):
         assert llm.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("partition", ["1,2", "2,1"])
+def test_pp2_with_an_uneven_layer_partition_matches_hf(model_dir_factory, partition):
+    model_dir = model_dir_factory("llama", num_hidden_layers=3)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 40))]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", pipeline_parallel_size=2,
+             pp_layer_partition=partition) as llm:
+        runner = llm.engine_core.executor.worker.runner
+        assert len(runner.model.attention_layers()) == int(partition[0])  # stage 0's share
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts)
+
+
+def test_a_layer_partition_must_match_the_stages():
+    from aserve.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="2 positive layer counts"):
+        EngineArgs(model="m", pipeline_parallel_size=2, pp_layer_partition="1,1,1")
+
+
 def children_of(pid: int) -> set[int]:
     """Every live descendant of `pid`, from /proc."""
     parents = {}

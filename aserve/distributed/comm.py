@@ -44,6 +44,7 @@ class DistributedConfig:
     backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
     timeout_s: float = 600.0
     tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split
 
 
 def init_distributed(config: DistributedConfig) -> None:
@@ -67,7 +68,7 @@ def init_distributed(config: DistributedConfig) -> None:
                   for s in range(pp_size)]
         tp_group = groups[config.rank // tp_size]
     set_tp(config.rank % tp_size, tp_size, tp_group)
-    set_pp(config.rank // tp_size, pp_size)
+    set_pp(config.rank // tp_size, pp_size, config.pp_layer_partition)
 
 
 def _isend(tensor: torch.Tensor, peer: int, group: Any = None) -> None:

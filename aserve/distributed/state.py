@@ -16,6 +16,7 @@ _tp_size = 1
 _tp_group: Any = None  # a torch.distributed ProcessGroup once tensor parallelism exists
 _pp_rank = 0
 _pp_size = 1
+_pp_partition: tuple[int, ...] | None = None
 
 
 def get_pp_rank() -> int:
@@ -27,16 +28,26 @@ def get_pp_size() -> int:
     return _pp_size
 
 
-def set_pp(rank: int, size: int) -> None:
-    global _pp_rank, _pp_size
+def set_pp(rank: int, size: int, partition: tuple[int, ...] | None = None) -> None:
+    """Record this process's pipeline stage, the number of stages and, optionally, how many
+    layers each stage runs (`--pp-layer-partition`)."""
+    global _pp_rank, _pp_size, _pp_partition
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"bad pipeline stage {rank} for size {size}.")
-    _pp_rank, _pp_size = rank, size
+    if partition is not None and (len(partition) != size or min(partition) < 1):
+        raise ValueError(f"a layer partition needs {size} positive counts, got {partition}.")
+    _pp_rank, _pp_size, _pp_partition = rank, size, partition
 
 
 def stage_layers(num_layers: int) -> range:
-    """The decoder layers this stage runs: an even split, earlier stages one fewer when the
-    count does not divide."""
+    """The decoder layers this stage runs: the partition given, else an even split (earlier
+    stages one fewer when the count does not divide)."""
+    if _pp_partition is not None:
+        if sum(_pp_partition) != num_layers:
+            raise ValueError(f"the layer partition {','.join(map(str, _pp_partition))} adds up "
+                             f"to {sum(_pp_partition)}, but the model has {num_layers} layers.")
+        start = sum(_pp_partition[:_pp_rank])
+        return range(start, start + _pp_partition[_pp_rank])
     if num_layers < _pp_size:
         raise ValueError(f"{num_layers} layers cannot be split into {_pp_size} pipeline stages.")
     return range(_pp_rank * num_layers // _pp_size, (_pp_rank + 1) * num_layers // _pp_size)

@@ -32,6 +32,7 @@ class EngineArgs:
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
     pipeline_parallel_size: int = 1  # stages of consecutive layers, one batch in flight
+    pp_layer_partition: str | None = None  # layers per stage, e.g. "10,20"; None: even split
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
     # MASTER_ADDR, MASTER_PORT) when set.
@@ -54,6 +55,13 @@ class EngineArgs:
                              "address), the same on every node.")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be at least 1.")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition.split(",")
+            if len(parts) != self.pipeline_parallel_size or not all(
+                    p.strip().isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"pp_layer_partition {self.pp_layer_partition!r} must be "
+                                 f"{self.pipeline_parallel_size} positive layer counts, "
+                                 "comma-separated (one per pipeline stage).")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,

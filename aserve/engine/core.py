@@ -36,31 +36,36 @@ from aserve.engine.messages import (
 )
 from aserve.executor import multiproc
 from aserve.executor.base import Executor
-from aserve.executor.multiproc import MultiprocExecutor
+from aserve.executor.multiproc import MultiprocExecutor, RankLayout, WorkerSpec, free_port
 from aserve.executor.uniproc import UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
 
+def rank_layout(args: EngineArgs) -> RankLayout:
+    partition = args.pp_layer_partition
+    return RankLayout(
+        args.tensor_parallel_size * args.pipeline_parallel_size, args.tensor_parallel_size,
+        args.nnodes, args.master_addr, args.master_port or free_port(),
+        tuple(int(n) for n in partition.split(",")) if partition else None)
+
+
+def worker_spec(args: EngineArgs) -> WorkerSpec:
+    return WorkerSpec(args.model_config(), args.block_size, args.device, args.enforce_eager,
+                      args.max_num_seqs)
+
+
 def make_executor(args: EngineArgs) -> Executor:
     """One rank in this process, or tp × pp ranks (this node's others spawned)."""
-    world_size = args.tensor_parallel_size * args.pipeline_parallel_size
-    if world_size == 1:
+    if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
         return UniProcExecutor(args.model_config(), args.block_size, args.device,
                                args.enforce_eager, args.max_num_seqs)
-    return MultiprocExecutor(args.model_config(), args.block_size, args.device,
-                             args.enforce_eager, args.max_num_seqs, world_size,
-                             args.tensor_parallel_size, args.nnodes, args.master_addr,
-                             args.master_port)
+    return MultiprocExecutor(worker_spec(args), rank_layout(args))
 
 
 def run_worker_node(args: EngineArgs) -> None:
     """Node `args.node_rank` > 0 of a multi-node engine: run its ranks until node 0 stops."""
-    multiproc.run_worker_node(args.model_config(), args.block_size, args.device,
-                              args.enforce_eager, args.max_num_seqs,
-                              args.tensor_parallel_size * args.pipeline_parallel_size,
-                              args.tensor_parallel_size, args.nnodes, args.node_rank,
-                              args.master_addr, args.master_port)
+    multiproc.run_worker_node(worker_spec(args), rank_layout(args), args.node_rank)
 
 
 class EngineCore:

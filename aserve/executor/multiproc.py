@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import socket
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 import torch
@@ -44,18 +45,54 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _threads_per_rank(world_size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world_size)
+def _threads_per_rank(ranks_on_node: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks_on_node)
 
 
-def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce_eager: bool,
-                max_num_seqs: int, distributed: DistributedConfig, threads: int) -> None:
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank builds: the arguments of its `Worker`."""
+
+    model_config: ModelConfig
+    block_size: int
+    device: str
+    enforce_eager: bool
+    max_num_seqs: int
+
+    def build(self, distributed: DistributedConfig) -> Worker:
+        return Worker(self.model_config, self.block_size, self.device,
+                      local_rank=distributed.local_rank, enforce_eager=self.enforce_eager,
+                      max_num_seqs=self.max_num_seqs, distributed=distributed)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How ranks are laid out: world = tp × pp ranks over `nnodes` nodes (rank = node × ranks
+    per node + local rank; stage = rank // tp), meeting at master_addr:master_port."""
+
+    world_size: int
+    tp_size: int
+    nnodes: int
+    master_addr: str
+    master_port: int
+    pp_layer_partition: tuple[int, ...] | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def config(self, node_rank: int, local_rank: int) -> DistributedConfig:
+        return DistributedConfig(node_rank * self.ranks_per_node + local_rank, self.world_size,
+                                 local_rank, self.master_addr, self.master_port,
+                                 tp_size=self.tp_size,
+                                 pp_layer_partition=self.pp_layer_partition)
+
+
+def worker_main(spec: WorkerSpec, distributed: DistributedConfig, threads: int) -> None:
     """Body of rank r > 0: join the group, load the shard, serve control messages until told
     to stop (or until rank 0 goes away, which breaks the control channel)."""
     torch.set_num_threads(threads)
-    worker = Worker(model_config, block_size, device, local_rank=distributed.local_rank,
-                    enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                    distributed=distributed)
+    worker = spec.build(distributed)
     try:
         while True:
             message = recv_control()
@@ -72,37 +109,26 @@ def worker_main(model_config: ModelConfig, block_size: int, device: str, enforce
         shutdown_distributed()
 
 
-def spawn_ranks(model_config: ModelConfig, block_size: int, device: str, enforce_eager: bool,
-                max_num_seqs: int, world_size: int, tp_size: int, nnodes: int, node_rank: int,
-                master_addr: str, master_port: int, first_local_rank: int
+def spawn_ranks(spec: WorkerSpec, layout: RankLayout, node_rank: int
                 ) -> list[multiprocessing.Process]:
-    """Start this node's ranks from `first_local_rank` on, as daemon processes."""
-    per_node = world_size // nnodes
+    """Start this node's ranks but its first (local rank 0), as daemon processes."""
     context = multiprocessing.get_context("spawn")
     procs = []
-    for local in range(first_local_rank, per_node):
-        config = DistributedConfig(node_rank * per_node + local, world_size, local, master_addr,
-                                   master_port, tp_size=tp_size)
+    for local in range(1, layout.ranks_per_node):
+        config = layout.config(node_rank, local)
         procs.append(context.Process(
             target=worker_main, name=f"aserve-rank{config.rank}", daemon=True,
-            args=(model_config, block_size, device, enforce_eager, max_num_seqs, config,
-                  _threads_per_rank(per_node))))
+            args=(spec, config, _threads_per_rank(layout.ranks_per_node))))
         procs[-1].start()
     return procs
 
 
-def run_worker_node(model_config: ModelConfig, block_size: int, device: str,
-                    enforce_eager: bool, max_num_seqs: int, world_size: int, tp_size: int,
-                    nnodes: int, node_rank: int, master_addr: str, master_port: int) -> None:
+def run_worker_node(spec: WorkerSpec, layout: RankLayout, node_rank: int) -> None:
     """A node other than 0: its ranks only (no scheduler, no server), until node 0 stops them;
     its first rank runs in this process, the others are spawned."""
-    procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
-                        world_size, tp_size, nnodes, node_rank, master_addr, master_port, 1)
-    per_node = world_size // nnodes
+    procs = spawn_ranks(spec, layout, node_rank)
     try:
-        worker_main(model_config, block_size, device, enforce_eager, max_num_seqs,
-                    DistributedConfig(node_rank * per_node, world_size, 0, master_addr,
-                                      master_port, tp_size=tp_size), _threads_per_rank(per_node))
+        worker_main(spec, layout.config(node_rank, 0), _threads_per_rank(layout.ranks_per_node))
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -111,23 +137,15 @@ def run_worker_node(model_config: ModelConfig, block_size: int, device: str,
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, model_config: ModelConfig, block_size: int, device: str,
-                 enforce_eager: bool, max_num_seqs: int, world_size: int, tp_size: int,
-                 nnodes: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, layout: RankLayout) -> None:
         super().__init__()
-        self.world_size = world_size
-        self.max_batches_in_flight = world_size // tp_size  # one per pipeline stage
+        self.world_size = layout.world_size
+        self.max_batches_in_flight = layout.world_size // layout.tp_size  # one per stage
         self._stopping = False
-        port = master_port or free_port()
-        self.procs = spawn_ranks(model_config, block_size, device, enforce_eager, max_num_seqs,
-                                 world_size, tp_size, nnodes, 0, master_addr, port, 1)
+        self.procs = spawn_ranks(spec, layout, 0)
         try:
-            self.call(torch.set_num_threads, _threads_per_rank(world_size // nnodes))
-            self.worker = self.call(Worker, model_config, block_size, device,
-                                    enforce_eager=enforce_eager, max_num_seqs=max_num_seqs,
-                                    distributed=DistributedConfig(0, world_size, 0, master_addr,
-                                                                  port, tp_size=tp_size))
+            self.call(torch.set_num_threads, _threads_per_rank(layout.ranks_per_node))
+            self.worker = self.call(spec.build, layout.config(0, 0))
         except BaseException:
             self._kill_workers()
             raise

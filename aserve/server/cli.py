@@ -72,6 +72,8 @@ ENGINE_HELP = {
                             "this process spawns ranks 1..N-1",
     "pipeline_parallel_size": "pipeline stages, each a run of consecutive layers on its own "
                               "ranks (one batch in flight: no stage overlap yet)",
+    "pp_layer_partition": "layers per pipeline stage, comma-separated, e.g. 10,20 (default: "
+                          "an even split)",
     "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
               "$NNODES or 1)",
     "node_rank": "this node's index; node 0 serves HTTP, the others run ranks only (default: "
