@@ -3,7 +3,8 @@ and TP=2 x PP=2 equals transformers' token for token — GQA with more ranks tha
 vocabulary that does not split evenly, tied embeddings, chunked prefill, prefix-cache hits and
 preemption included; the server started with `-tp 2`
 answers an OpenAI client and leaves no process behind after SIGTERM; a rank that dies turns
-`/health` to 503 and fails in-flight requests instead of hanging them."""
+`/health` to 503, fails in-flight requests instead of hanging them, and ends the server process
+with exit code 1."""
 
 from __future__ import annotations
 
@@ -195,6 +196,8 @@ def test_a_dead_rank_turns_health_503_and_fails_in_flight_requests(model_dir_fac
         assert not reader.is_alive(), "the in-flight request hangs"
         errors = [json.loads(e[6:]) for e in events if '"error"' in e]
         assert errors and errors[0]["error"]["message"]
+        # a dead engine ends the process with a failure, for a supervisor to restart it
+        assert proc.wait(timeout=20) == 1
     finally:
         proc.kill()
         proc.wait()

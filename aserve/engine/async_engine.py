@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
 
 from aserve.config import ModelInfo
@@ -88,6 +89,7 @@ class AsyncEngine:
         self.processor: Processor | None = None
         self.num_kv_blocks = 0
         self.dead_error: str | None = None
+        self.dead = asyncio.Event()  # set once the engine has died (not on a clean shutdown)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -113,6 +115,31 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self.model_info is not None and self.dead_error is None
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Engine requests (one per completion of each prompt) added and not yet finished."""
+        return len(self.output_processor.children)
+
+    async def probe(self, timeout: float) -> str | None:
+        """Generate one token through the whole engine; None if it did, else why not."""
+        if not self.is_running:
+            return self.dead_error or "The engine is not running."
+        request_id = f"health-{uuid.uuid4().hex}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        async def one_token() -> None:
+            async for _ in self.generate(request_id, {"prompt_token_ids": [0]}, params):
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), timeout)
+        except asyncio.TimeoutError:
+            self.abort(request_id)
+            return f"The engine did not generate a token within {timeout:g} s."
+        except EngineDeadError as e:
+            return str(e)
+        return None
 
     # ------------------------------------------------------------------ messages from the thread
 
@@ -140,6 +167,7 @@ class AsyncEngine:
             self._ready.set_result(None)
         elif isinstance(message, EngineDead):
             self.dead_error = message.error
+            self.dead.set()
             self._fail_all(message.error)
             if not self._ready.done():
                 self._ready.set_exception(EngineDeadError(message.error))
@@ -191,6 +219,12 @@ class AsyncEngine:
         stream = await self.add_request(request_id, prompt, params, priority)
         async for output in stream:
             yield output
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; their streams end with finish_reason "abort"."""
+        child_ids = tuple(self.output_processor.children)
+        if child_ids:
+            self.inbox.put(AbortRequests(child_ids))
 
     def abort(self, request_id: str) -> None:
         """Abort a user request (all its completions); unknown or finished ids are ignored."""

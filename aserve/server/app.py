@@ -41,6 +41,11 @@ class ServerConfig:
     chat_template: str | None = None  # a template string, or a path to a file holding one
     allowed_origins: list[str] = field(default_factory=list)  # CORS off unless given
     max_request_body_bytes: int = 16 << 20
+    # Backpressure: engine requests (completions) allowed to wait beyond the `max_num_seqs`
+    # that can run; past it a request is refused at once with 503 + Retry-After.
+    max_waiting_requests: int = 512
+    request_timeout: float | None = None  # seconds a request may take; then it is aborted
+    liveness_timeout: float = 30.0  # `/health?generate=1`: seconds to produce one token
 
 
 class ServerState:
@@ -96,10 +101,18 @@ class ApiKeyMiddleware:
 
 
 async def health(request: Request) -> Response:
-    engine = request.app.state.aserve.engine
+    """200 while the engine runs; 503 with the reason once it has died. With `?generate=1` it
+    also generates one token through the engine (a liveness probe that tells a stuck engine
+    from a busy one), within `ServerConfig.liveness_timeout`."""
+    state: ServerState = request.app.state.aserve
+    engine = state.engine
     if engine is None or not engine.is_running:
         reason = engine.dead_error if engine is not None else "The engine is not running."
         return error_response(reason or "The engine is not running.", 503)
+    if request.query_params.get("generate") not in (None, "", "0", "false"):
+        reason = await engine.probe(state.config.liveness_timeout)
+        if reason is not None:
+            return error_response(reason, 503)
     return Response(status_code=200)
 
 

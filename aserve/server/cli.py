@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the server side imports torch: load it only once arguments 
 DEFAULT_MODEL = str(DEMO_MODEL_DIR)  # served when no --model is given
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 API_KEY_ENV = "ASERVE_API_KEY"
-GRACEFUL_SHUTDOWN_S = 10
+ABORT_MARGIN_S = 5  # after aborting what is left, the seconds uvicorn waits for responses
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 ENGINE_HELP = {
@@ -158,6 +158,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                        help="CORS origins allowed to call the API, comma-separated or repeated "
                             "(default: none, CORS off)")
+    group.add_argument("--max-waiting-requests", type=int, default=512, metavar="N",
+                       help="requests (completions) allowed to wait beyond --max-num-seqs; "
+                            "more are refused at once with 503 + Retry-After (default: 512)")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="abort a request that has not finished after this long: 504, or "
+                            "an error event when streaming (default: none)")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, time in-flight requests get to finish before "
+                            "they are aborted (finish_reason \"abort\") (default: 10)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
 
@@ -191,9 +200,15 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
     from aserve.server.app import ServerConfig
 
     origins = [o.strip() for arg in ns.allowed_origins for o in arg.split(",") if o.strip()]
+    if ns.max_waiting_requests < 0:
+        raise UsageError("--max-waiting-requests must be >= 0")
+    if ns.request_timeout is not None and ns.request_timeout <= 0:
+        raise UsageError("--request-timeout must be > 0")
     return ServerConfig(served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
-                        chat_template=ns.chat_template, allowed_origins=origins)
+                        chat_template=ns.chat_template, allowed_origins=origins,
+                        max_waiting_requests=ns.max_waiting_requests,
+                        request_timeout=ns.request_timeout)
 
 
 # ---------------------------------------------------------------------------------- the model
@@ -323,18 +338,49 @@ def _ignore_signal(signum: int, frame: Any) -> None:
 
 
 async def _serve(app: Starlette, server: uvicorn.Server, sock: socket.socket, banner: str,
-                 log_filter: _StartupLogFilter) -> None:
+                 log_filter: _StartupLogFilter, shutdown_timeout: float) -> None:
+    """Serve until a signal (graceful: in-flight requests get `shutdown_timeout` seconds, then
+    are aborted with finish_reason "abort") or until the engine dies (EngineDeadError: the
+    process exits non-zero, so that a supervisor restarts it)."""
+    from aserve.engine.async_engine import EngineDeadError
     from aserve.server.app import aserve_lifespan
 
     async with aserve_lifespan(app):  # loads the model; raises if the engine cannot start
+        engine = app.state.aserve.engine
         log_filter.starting = False
         sock.listen(server.config.backlog)  # accept (queue) connections only from now
         print(banner, file=sys.stderr, flush=True)
-        # uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then re-raises
-        # the signal to the handler it found: make that one a no-op, so that the engine stops
-        # after the server and the process exits 0.
-        with _signal_handlers(_ignore_signal, signal.SIGINT, signal.SIGTERM):
-            await server.serve(sockets=[sock])
+        watchers = [asyncio.create_task(_abort_after_grace(server, engine, shutdown_timeout)),
+                    asyncio.create_task(_stop_when_dead(server, engine))]
+        try:
+            # uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then
+            # re-raises the signal to the handler it found: make that one a no-op, so that the
+            # engine stops after the server and the process exits 0.
+            with _signal_handlers(_ignore_signal, signal.SIGINT, signal.SIGTERM):
+                await server.serve(sockets=[sock])
+        finally:
+            for task in watchers:
+                task.cancel()
+        if engine.dead_error is not None:
+            raise EngineDeadError(engine.dead_error)
+
+
+async def _abort_after_grace(server: uvicorn.Server, engine, shutdown_timeout: float) -> None:
+    while not server.should_exit:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(shutdown_timeout)
+    if engine.num_requests_in_flight:
+        logging.getLogger("aserve").warning(
+            "Shutting down: aborting %d requests still running after %g s",
+            engine.num_requests_in_flight, shutdown_timeout)
+        engine.abort_all()
+
+
+async def _stop_when_dead(server: uvicorn.Server, engine) -> None:
+    await engine.dead.wait()
+    logging.getLogger("aserve").error("The engine died (%s); shutting down", engine.dead_error)
+    await asyncio.sleep(0.5)  # let in-flight requests write their errors
+    server.should_exit = True
 
 
 def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
@@ -348,7 +394,8 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     except OSError as e:  # --chat-template names a file that cannot be read
         raise UsageError(f"--chat-template: {e}") from None
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                            lifespan="off", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                            lifespan="off",
+                            timeout_graceful_shutdown=ns.shutdown_timeout + ABORT_MARGIN_S)
     log_filter = _configure_logging(ns.uvicorn_log_level)
     try:
         sock = _bind(ns.host, ns.port)
@@ -356,7 +403,8 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         banner = (f"aserve {aserve.__version__} serving {app.state.aserve.model_name} on "
                   f"http://{host}:{sock.getsockname()[1]}")
         with sock, _signal_handlers(_exit_on_signal, signal.SIGTERM):
-            asyncio.run(_serve(app, uvicorn.Server(config), sock, banner, log_filter))
+            asyncio.run(_serve(app, uvicorn.Server(config), sock, banner, log_filter,
+                               ns.shutdown_timeout))
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
     except (EngineDeadError, OSError, ValueError) as e:

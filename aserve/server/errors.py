@@ -34,6 +34,7 @@ _ERROR_TYPES = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 _MAX_ERRORS_SHOWN = 3
 _MAX_INPUT_CHARS = 60
@@ -70,11 +71,13 @@ class ErrorResponse(BaseModel):
 class ServerError(Exception):
     """An error a route answers with: `raise ServerError("...", 404)`."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers
 
     @classmethod
     def from_value_error(cls, exc: ValueError, status: int = 400) -> ServerError:
@@ -132,7 +135,7 @@ def validation_error_response(exc: ValidationError) -> JSONResponse:
 
 async def handle_server_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ServerError)
-    return error_response(exc.message, exc.status, exc.param)
+    return error_response(exc.message, exc.status, exc.param, exc.headers)
 
 
 async def handle_validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -98,10 +98,15 @@ class ServerMetrics:
                              labels, buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("aserve:e2e_request_latency_seconds", "Request latency.",
                              labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("aserve:request_rejected", "Requests refused as overload "
+                                "(503 + Retry-After).", labels, registry=r)
         r.register(_EngineStatsCollector(self))
 
     def bind_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine
+
+    def on_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
 
     def track(self, num_prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, num_prompt_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -78,6 +79,9 @@ def sampling_params_for(engine: AsyncEngine, prompt: ProcessedPrompt, max_tokens
         raise ServerError.from_value_error(e) from e
 
 
+RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait, in seconds
+
+
 @dataclass
 class Generation:
     """One engine request (one prompt, `n` completions) of an HTTP request."""
@@ -86,19 +90,38 @@ class Generation:
     params: SamplingParams
     stream: RequestStream
     tracker: RequestTracker
+    deadline: float | None = None  # time.monotonic() by which it must finish
+
+
+def check_capacity(request: Request, engine: AsyncEngine, num_new: int) -> None:
+    """Refuse at once (503 + Retry-After) what would wait beyond `max_waiting_requests`: in
+    flight, at most `max_num_seqs` run and the rest wait."""
+    state = server_state(request)
+    limit = state.engine_args.max_num_seqs + state.config.max_waiting_requests
+    if engine.num_requests_in_flight + num_new > limit:
+        state.metrics.on_rejected()
+        raise ServerError(
+            f"The server is overloaded: {engine.num_requests_in_flight} requests in flight "
+            f"(at most {state.engine_args.max_num_seqs} running and "
+            f"{state.config.max_waiting_requests} waiting). Retry later.", 503,
+            headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def start_generations(request: Request, engine: AsyncEngine, request_id: str,
                             prompts: list[ProcessedPrompt], params: list[SamplingParams],
                             priority: int) -> list[Generation]:
-    metrics = server_state(request).metrics
+    state = server_state(request)
+    check_capacity(request, engine, sum(sp.n for sp in params))
+    timeout = state.config.request_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     generations: list[Generation] = []
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             stream = await engine.add_request(rid, prompt, sp, priority)
             generations.append(Generation(prompt, sp, stream,
-                                          metrics.track(len(prompt.prompt_token_ids))))
+                                          state.metrics.track(len(prompt.prompt_token_ids)),
+                                          deadline))
     except ValueError as e:
         abort_all(generations)
         raise ServerError.from_value_error(e) from e
@@ -128,9 +151,10 @@ async def merged_outputs(generations: list[Generation]
 
     tasks = [asyncio.create_task(pump(i, g.stream)) for i, g in enumerate(generations)]
     remaining = len(tasks)
+    deadline = generations[0].deadline if generations else None
     try:
         while remaining:
-            i, item = await queue.get()
+            i, item = await _next(queue, deadline)
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -142,6 +166,17 @@ async def merged_outputs(generations: list[Generation]
         for task in tasks:
             task.cancel()
         abort_all(generations)
+
+
+async def _next(queue: asyncio.Queue, deadline: float | None):
+    """The queue's next item; a 504 `ServerError` once `deadline` has passed."""
+    if deadline is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise ServerError("The request did not finish within the server's request timeout; "
+                          "it was aborted.", 504) from None
 
 
 def record(tracker: RequestTracker, output: RequestOutput) -> None:
@@ -206,5 +241,7 @@ def sse(payload: BaseModel | str) -> str:
 
 
 def sse_error(error: Exception) -> str:
+    if isinstance(error, ServerError):
+        return sse(ErrorResponse.of(error.message, error.status, error.param))
     status = 503 if isinstance(error, EngineDeadError) else 500
     return sse(ErrorResponse.of(str(error), status))
