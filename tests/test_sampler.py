@@ -235,3 +235,11 @@ def test_top_p_draws_follow_the_renormalised_nucleus():
     assert (tokens != 3).all()
     kept = PROBS[:3] / PROBS[:3].sum()
     assert chi_square(tokens, kept) < 21.0  # 2 degrees of freedom, p = 1e-4 is 18.4
+
+
+def test_a_top_p_too_small_for_float32_still_keeps_the_best_token():
+    from aserve.runner.sampler import apply_top_k_top_p
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
+    kept = apply_top_k_top_p(logits, None, torch.tensor([5e-324]).float())  # 0.0 in float32
+    assert torch.isfinite(kept).tolist() == [[False, True, False, False]]

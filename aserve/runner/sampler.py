@@ -192,6 +192,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     mass_before = probs.cumsum(dim=-1) - probs  # [N, V]; mass of strictly better tokens
     top_p = top_p[:, None]  # [N, 1]; rows at 1 stay exact despite cumsum rounding
     drop = (mass_before >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False  # the best token always stays, however small top_p (even 0.0 in fp32)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

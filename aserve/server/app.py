@@ -30,6 +30,7 @@ from aserve.server.chat import create_chat_completion
 from aserve.server.completions import create_completion
 from aserve.server.errors import EXCEPTION_HANDLERS, error_response
 from aserve.server.metrics import ServerMetrics
+from aserve.server.openapi import openapi_json
 
 
 @dataclass
@@ -138,6 +139,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
         middleware=middleware,
         lifespan=aserve_lifespan,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import jinja2
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -47,9 +46,9 @@ def render_chat(request: Request, engine, body: ChatCompletionRequest | object) 
         return engine.tokenizer.apply_chat_template(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
             chat_template=template, **(body.chat_template_kwargs or {}))
-    except (ValueError, TypeError, jinja2.TemplateError) as e:
-        raise ServerError(f"The chat template could not be applied: {e}", 400,
-                          "messages") from e
+    except Exception as e:  # noqa: BLE001 - a template (maybe the request's own) failed on it
+        raise ServerError(f"The chat template could not be applied: {type(e).__name__}: {e}",
+                          400, "messages") from e
 
 
 async def create_chat_completion(request: Request) -> Response:

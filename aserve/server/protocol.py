@@ -2,10 +2,12 @@
 `/tokenize` and `/detokenize` (responses are in `responses.py`).
 
 Requests are checked here — types (strictly: `"ten"` is not a number), ranges, features we do not
-support — so a route gets either a well-formed request or a `pydantic.ValidationError` to answer
-with 400; `to_sampling_params` then maps one onto `SamplingParams`. Unknown fields are ignored, as
-OpenAI's SDK users expect of `extra_body`. Responses serialise with a plain `model_dump()` to the
-JSON the `openai` SDK parses. Names, defaults and extras follow OpenAI's API and vLLM's server.
+support, and the size limits below that bound what one request may ask of the server (beyond
+`max_request_body_bytes`) — so a route gets either a well-formed request or a
+`pydantic.ValidationError` to answer with 400 naming the field; `to_sampling_params` then maps
+one onto `SamplingParams`. Unknown fields are ignored, as OpenAI's SDK users expect of
+`extra_body`. Responses serialise with a plain `model_dump()` to the JSON the `openai` SDK
+parses. Names, defaults and extras follow OpenAI's API and vLLM's server.
 
 No I/O, no engine and no tokenizer here: the logprob helpers take a `decode` callable.
 """
@@ -27,16 +29,33 @@ from pydantic import (
 
 from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# Limits on hostile or careless requests; each violation is a 400 naming the field.
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_PROMPTS = 1024  # prompts in one /v1/completions request
+MAX_TOTAL_CHOICES = 1024  # n × prompts: sequences one request may start
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_TOKEN_ID_DIGITS = 19  # a logit_bias key; anything longer is out of vocabulary anyway
+MAX_CHAT_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024  # text parts in one chat message
+
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 TokenId = Annotated[int, Field(ge=0)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Temperature = Annotated[float, Field(ge=0.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Empty stop strings are refused by `SamplingParams`; the schema says so too.
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS, json_schema_extra={"minLength": 1})]
+StopInput = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptInput = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+               | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
 
 def make_id(prefix: str) -> str:
@@ -52,9 +71,45 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _all_of_type(values: list, kind: type) -> bool:
+    """Whether every item is exactly a `kind` (so no bools for int); C-speed on long lists."""
+    return set(map(type, values)) <= {kind}
+
+
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    return isinstance(value, list) and _all_of_type(value, int) and min(value, default=0) >= 0
+
+
+def _is_single_prompt(prompt: Any) -> bool:
+    """For a prompt already validated: one text or one token-id list (not a batch)."""
+    return isinstance(prompt, str) or isinstance(prompt[0], int)
+
+
+def _check_stop(value: Any) -> None:
+    """`stop`'s shape and size (before pydantic's own checks, for clearer messages)."""
+    stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, list) and len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}.")
+    if not (isinstance(stops, list) and _all_of_type(stops, str)):
+        raise ValueError("stop must be a string or a list of strings.")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long, got "
+                         f"one of {longest}.")
+
+
+def _check_prompt_shape(value: Any) -> None:
+    if isinstance(value, str) or (_is_token_ids(value) and value):
+        return
+    if isinstance(value, list) and not value:
+        raise ValueError("prompt must not be empty.")
+    if isinstance(value, list) and len(value) > MAX_PROMPTS:
+        raise ValueError(f"prompt may hold at most {MAX_PROMPTS} prompts, got {len(value)}.")
+    ok = isinstance(value, list) and (
+        _all_of_type(value, str) or all(_is_token_ids(p) and p for p in value))
+    if not ok:
+        raise ValueError("prompt must be a string, a list of strings, a list of non-negative "
+                         "token ids or a list of non-empty token-id lists.")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,28 +129,32 @@ class _GenerationRequest(_Request):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
-    n: PositiveInt | None = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: StopInput | None = None
     presence_penalty: Penalty | None = 0.0
     frequency_penalty: Penalty | None = 0.0
-    logit_bias: dict[str, Bias] | None = None
-    seed: Seed | None = None
+    logit_bias: Annotated[dict[str, Bias], Field(
+        max_length=MAX_LOGIT_BIAS,
+        json_schema_extra={"propertyNames": {"pattern": f"^[0-9]{{1,{MAX_TOKEN_ID_DIGITS}}}$"}},
+    )] | None = None
+    seed: Int64 | None = None
     user: str | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int64 = 0
     prompt_logprobs: LogprobCount | None = None
+    cache_salt: None = None  # not supported yet: refused rather than silently ignored
 
     @field_validator("stream_options")
     @classmethod
@@ -107,19 +166,25 @@ class _GenerationRequest(_Request):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_is_strings(cls, value: Any) -> Any:
-        ok = value is None or isinstance(value, str) or (
-            isinstance(value, list) and all(isinstance(s, str) for s in value))
-        if not ok:
-            raise ValueError("stop must be a string or a list of strings.")
+        if value is not None:
+            _check_stop(value)
         return value
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_keys_are_token_ids(cls, value: Any) -> Any:
         for key in value or {}:
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(f"logit_bias keys must be token ids (strings of non-negative "
-                                 f"integers), got {key!r}.")
+                                 f"integers), got {key[:MAX_TOKEN_ID_DIGITS + 1]!r}.")
+        return value
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _no_cache_salt(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("cache_salt is not supported yet: this server does not isolate "
+                             "prefix-cache entries between users.")
         return value
 
     @property
@@ -154,23 +219,28 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: PositiveInt | None = 16
     logprobs: LogprobCount | None = None
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: None = None  # unsupported: refused (the types here say so to the OpenAPI schema)
     best_of: PositiveInt | None = None
     add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty.")
-        ok = isinstance(value, str) or _is_token_ids(value) or (isinstance(value, list) and (
-            all(isinstance(p, str) for p in value) or all(_is_token_ids(p) and p for p in value)))
-        if not ok:
-            raise ValueError("prompt must be a string, a list of strings, a list of non-negative "
-                             "token ids or a list of non-empty token-id lists.")
+        _check_prompt_shape(value)
         return value
 
-    @field_validator("suffix")
+    @field_validator("prompt")
+    @classmethod
+    def _total_choices(cls, value: Any, info: ValidationInfo) -> Any:
+        n = _or(info.data.get("n"), 1)
+        num_prompts = 1 if _is_single_prompt(value) else len(value)
+        if n * num_prompts > MAX_TOTAL_CHOICES:
+            raise ValueError(f"prompt: {num_prompts} prompts with n={n} ask for "
+                             f"{n * num_prompts} choices; at most {MAX_TOTAL_CHOICES} are "
+                             "allowed per request.")
+        return value
+
+    @field_validator("suffix", mode="before")
     @classmethod
     def _no_suffix(cls, value: Any) -> Any:
         if value is not None:
@@ -188,7 +258,7 @@ class CompletionRequest(_GenerationRequest):
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one per entry: text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, str) or _is_token_ids(prompt):
+        if _is_single_prompt(prompt):
             return [prompt]
         return list(prompt)
 
@@ -203,16 +273,22 @@ class CompletionRequest(_GenerationRequest):
                               logprobs=self.logprobs)
 
 
+Messages = Annotated[list["ChatMessage"], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
+
+
+ContentParts = Annotated[list[TextContentPart], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class ChatMessage(_Request):
     """One message of a conversation; content is text or a list of text parts."""
 
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | ContentParts | None = None
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -222,6 +298,9 @@ class ChatMessage(_Request):
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of content parts.")
+        if len(value) > MAX_CONTENT_PARTS:
+            raise ValueError(f"content may hold at most {MAX_CONTENT_PARTS} parts, "
+                             f"got {len(value)}.")
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
@@ -246,7 +325,7 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_GenerationRequest):
     """`POST /v1/chat/completions`."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Messages
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -255,9 +334,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool | None = False
     top_logprobs: LogprobCount | None = None
     response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    continue_final_message: bool = False
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None  # unsupported
+    tool_choice: Literal["none", "auto"] | None = None
+    continue_final_message: Literal[False] = False
     add_special_tokens: bool = False
     echo: bool = False
 
@@ -276,7 +355,7 @@ class ChatCompletionRequest(_GenerationRequest):
                              "yet; only 'text' is.")
         return value
 
-    @field_validator("tools")
+    @field_validator("tools", mode="before")
     @classmethod
     def _no_tools(cls, value: Any) -> Any:
         if value:
@@ -290,7 +369,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError(f"tool_choice {value!r} is not supported yet; only 'none' is.")
         return value
 
-    @field_validator("continue_final_message")
+    @field_validator("continue_final_message", mode="before")
     @classmethod
     def _no_continue_final_message(cls, value: Any) -> Any:
         if value:
@@ -313,9 +392,14 @@ class TokenizeRequest(_Request):
     """`POST /tokenize`: either `prompt` (add_special_tokens defaults to True) or `messages`
     rendered by the chat template (add_special_tokens defaults to False)."""
 
+    model_config = ConfigDict(**_Request.model_config, json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    ]})
+
     model: str | None = None
     prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    messages: Messages | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     chat_template: str | None = None

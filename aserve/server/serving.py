@@ -98,6 +98,9 @@ def check_capacity(request: Request, engine: AsyncEngine, num_new: int) -> None:
     flight, at most `max_num_seqs` run and the rest wait."""
     state = server_state(request)
     limit = state.engine_args.max_num_seqs + state.config.max_waiting_requests
+    if num_new > limit:  # no retry could ever succeed
+        raise ServerError(f"The request asks for {num_new} completions (prompts × n), more "
+                          f"than the server ever admits at once ({limit}).", 400, "n")
     if engine.num_requests_in_flight + num_new > limit:
         state.metrics.on_rejected()
         raise ServerError(

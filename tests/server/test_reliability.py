@@ -142,3 +142,11 @@ def test_sigterm_finishes_or_aborts_in_flight_requests_and_exits_0(model_dir_fac
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_request_larger_than_all_capacity_is_a_400_not_a_retry(model_dir_factory):
+    config = ServerConfig(served_model_name="tiny", max_waiting_requests=2)
+    with serving(tiny_app(model_dir_factory("llama"), config, max_num_seqs=2)) as url:
+        out = httpx.post(f"{url}/v1/completions", json=body(n=5))
+        assert out.status_code == 400 and "retry-after" not in out.headers
+        assert out.json()["error"]["param"] == "n"
