@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from aserve.engine.outputs import RequestOutput
@@ -45,10 +45,13 @@ def check_model(request: Request, model: str | None) -> None:
 async def parse_body(request: Request, cls: type[ModelT]) -> ModelT:
     limit = server_state(request).config.max_request_body_bytes
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ServerError(f"The request body is larger than {limit} bytes.", 413)
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise ServerError(f"The request body is larger than {limit} bytes.", 413)
+    except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing to log
+        raise ServerError("The client disconnected before sending its body.", 499) from None
     return cls.model_validate_json(bytes(body))  # ValidationError → 400 by its handler
 
 
