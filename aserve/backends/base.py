@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -46,7 +45,10 @@ class Platform(ABC):
         attention_backend: which paged-attention implementation the attention layer runs:
             "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
             decode rows, the torch reference otherwise) or "ref" (the torch reference only).
-        supports_graphs: whether decode batches may be captured as CUDA/HIP graphs.
+        supports_graphs: whether decode batches may be captured as CUDA/HIP graphs; such a
+            platform also has `graph_pool()` (a memory pool every captured graph shares) and
+            `capture_graph(fn, pool) -> (replay, output)` (capture the warmed-up `fn`; each
+            replay rewrites `output` in place from the tensors `fn` read at capture).
         supports_inference_mode: whether steps may run under `torch.inference_mode` (else
             `torch.no_grad`: torch_xla cannot make inference tensors).
         static_shapes: whether the runner pads each batch's token count to a power of two, so
@@ -127,16 +129,6 @@ class Platform(ABC):
     def prepacks_weights(self, dtype: torch.dtype) -> bool:
         """Whether linear weights are repacked into the platform's GEMM layout after loading."""
         return False
-
-    def graph_pool(self) -> object:
-        """A memory pool that every captured graph of this process shares."""
-        raise NotImplementedError(f"{self.name} does not capture graphs (supports_graphs)")
-
-    def capture_graph(self, fn: Callable[[], torch.Tensor], pool: object
-                      ) -> tuple[Callable[[], None], torch.Tensor]:
-        """Capture `fn` (already warmed up) as a graph; return (replay, fn's output tensor),
-        which every replay rewrites in place from the tensors `fn` read at capture."""
-        raise NotImplementedError(f"{self.name} does not capture graphs (supports_graphs)")
 
     def reset_peak_memory(self) -> None:
         """Start counting `peak_memory_bytes` from now."""

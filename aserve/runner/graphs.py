@@ -11,7 +11,7 @@ pads the batch up to the next captured size and replays that graph:
 
 The attention metadata of a graph carries no host lists, so the kernels size their launch from
 tensor shapes alone (fixed at capture). Prefill or mixed steps, and batches larger than the
-largest size, run eagerly. The platform does the capture (`Platform.capture_graph`), so this
+largest size, run eagerly. The platform does the capture (its `capture_graph`), so this
 module never names a device.
 """
 

@@ -74,8 +74,10 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
     for i, (state, c, n) in enumerate(zip(states, num_computed, num_scheduled)):
+        if state.sampling_params.prompt_logprobs is None:
+            continue
         end = min(int(c) + n, state.num_prompt_tokens - 1)
-        if state.sampling_params.prompt_logprobs is not None and c < end:
+        if c < end:
             spans.append((i, int(c), end - int(c)))
             rows.append(np.arange(query_start_loc[i], query_start_loc[i] + end - c))
     return PreparedInputs(

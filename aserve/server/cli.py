@@ -7,7 +7,8 @@
 
 Every `EngineArgs` field is a flag of the same name (`max_num_seqs` -> `--max-num-seqs`); the
 frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGINT or SIGTERM
-stops the server gracefully (in-flight requests get 10 s) and the process exits 0.
+stops the server gracefully (in-flight requests get `--shutdown-timeout` seconds, then are
+aborted) and the process exits 0; `launch.py` runs the app.
 
 Exit codes: 0 served or generated; 1 the engine or the socket failed; 2 bad arguments or a
 model that cannot be found.
@@ -17,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import re
 import signal
-import socket
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,15 +34,12 @@ from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the server side imports torch: load it only once arguments are valid
-    import uvicorn
-    from starlette.applications import Starlette
 
     from aserve.server.app import ServerConfig
 
 DEFAULT_MODEL = str(DEMO_MODEL_DIR)  # served when no --model is given
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 API_KEY_ENV = "ASERVE_API_KEY"
-ABORT_MARGIN_S = 5  # after aborting what is left, the seconds uvicorn waits for responses
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 ENGINE_HELP = {
@@ -276,118 +270,19 @@ def run_worker_node(engine_args: EngineArgs) -> int:
 
 # ---------------------------------------------------------------------------------- serving
 
-class _StartupLogFilter(logging.Filter):
-    """While the engine starts, a failure is reported by `main` in one line: drop the engine's
-    own traceback of it (shown at --uvicorn-log-level debug)."""
-
-    def __init__(self, show_tracebacks: bool) -> None:
-        super().__init__()
-        self.starting = not show_tracebacks
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.starting and record.exc_info)
-
-
-def _configure_logging(level: str) -> _StartupLogFilter:
-    from uvicorn.logging import DefaultFormatter
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(name)s: %(message)s"))
-    log_filter = _StartupLogFilter(show_tracebacks=level in ("debug", "trace"))
-    handler.addFilter(log_filter)
-    logger = logging.getLogger("aserve")
-    logger.handlers[:] = [handler]
-    logger.setLevel(logging.DEBUG if level == "trace" else level.upper())
-    logger.propagate = False
-    return log_filter
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind before the model loads, so that a busy port fails in a second, not after loading;
-    `_serve` listens once the engine is ready (until then connections are refused)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
-
-
-@contextlib.contextmanager
-def _signal_handlers(handler: Callable[[int, Any], None], *signals: int) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may set handlers (uvicorn then sets none either)
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in signals}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # SIGTERM while the model loads (even as a container's PID 1)
-
-
-def _ignore_signal(signum: int, frame: Any) -> None:
-    pass
-
-
-async def _serve(app: Starlette, server: uvicorn.Server, sock: socket.socket, banner: str,
-                 log_filter: _StartupLogFilter, shutdown_timeout: float) -> None:
-    """Serve until a signal (graceful: in-flight requests get `shutdown_timeout` seconds, then
-    are aborted with finish_reason "abort") or until the engine dies (EngineDeadError: the
-    process exits non-zero, so that a supervisor restarts it)."""
-    from aserve.engine.async_engine import EngineDeadError
-    from aserve.server.app import aserve_lifespan
-
-    async with aserve_lifespan(app):  # loads the model; raises if the engine cannot start
-        engine = app.state.aserve.engine
-        log_filter.starting = False
-        sock.listen(server.config.backlog)  # accept (queue) connections only from now
-        print(banner, file=sys.stderr, flush=True)
-        watchers = [asyncio.create_task(_abort_after_grace(server, engine, shutdown_timeout)),
-                    asyncio.create_task(_stop_when_dead(server, engine))]
-        try:
-            # uvicorn handles SIGINT/SIGTERM while it serves (a graceful shutdown), then
-            # re-raises the signal to the handler it found: make that one a no-op, so that the
-            # engine stops after the server and the process exits 0.
-            with _signal_handlers(_ignore_signal, signal.SIGINT, signal.SIGTERM):
-                await server.serve(sockets=[sock])
-        finally:
-            for task in watchers:
-                task.cancel()
-        if engine.dead_error is not None:
-            raise EngineDeadError(engine.dead_error)
-
-
-async def _abort_after_grace(server: uvicorn.Server, engine, shutdown_timeout: float) -> None:
-    while not server.should_exit:
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(shutdown_timeout)
-    if engine.num_requests_in_flight:
-        logging.getLogger("aserve").warning(
-            "Shutting down: aborting %d requests still running after %g s",
-            engine.num_requests_in_flight, shutdown_timeout)
-        engine.abort_all()
-
-
-async def _stop_when_dead(server: uvicorn.Server, engine) -> None:
-    await engine.dead.wait()
-    logging.getLogger("aserve").error("The engine died (%s); shutting down", engine.dead_error)
-    await asyncio.sleep(0.5)  # let in-flight requests write their errors
-    server.should_exit = True
-
-
 def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     import uvicorn
 
     from aserve.engine.async_engine import EngineDeadError
     from aserve.server.app import build_app
+    from aserve.server.launch import (
+        ABORT_MARGIN_S,
+        bind,
+        configure_logging,
+        exit_on_signal,
+        serve_until_stopped,
+        signal_handlers,
+    )
 
     try:
         app = build_app(engine_args, server_config_from(ns))
@@ -396,15 +291,15 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             lifespan="off",
                             timeout_graceful_shutdown=ns.shutdown_timeout + ABORT_MARGIN_S)
-    log_filter = _configure_logging(ns.uvicorn_log_level)
+    log_filter = configure_logging(ns.uvicorn_log_level)
     try:
-        sock = _bind(ns.host, ns.port)
+        sock = bind(ns.host, ns.port)
         host = f"[{ns.host}]" if ":" in ns.host else ns.host
         banner = (f"aserve {aserve.__version__} serving {app.state.aserve.model_name} on "
                   f"http://{host}:{sock.getsockname()[1]}")
-        with sock, _signal_handlers(_exit_on_signal, signal.SIGTERM):
-            asyncio.run(_serve(app, uvicorn.Server(config), sock, banner, log_filter,
-                               ns.shutdown_timeout))
+        with sock, signal_handlers(exit_on_signal, signal.SIGTERM):
+            asyncio.run(serve_until_stopped(app, uvicorn.Server(config), sock, banner,
+                                            log_filter, ns.shutdown_timeout))
     except KeyboardInterrupt:  # Ctrl-C while the model loads
         return 130
     except (EngineDeadError, OSError, ValueError) as e:
