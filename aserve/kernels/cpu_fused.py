@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from aserve.kernels.cpu_simd import PRELUDE
 from aserve.kernels.paged_attention_cpu import build_extension
 from aserve.kernels.rms_norm import rms_norm_ref as rms_norm_ref
 from aserve.kernels.rotary import rope_ref as rope_ref
@@ -21,7 +22,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-
+""" + PRELUDE + r"""
 using bf16 = at::BFloat16;
 static inline float f(bf16 v) { return static_cast<float>(v); }
 
@@ -36,16 +37,33 @@ void rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Ten
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       bf16* xr = xp + r * n;
-      bf16* src = xr;
-      if (rp != nullptr) {
-        bf16* rr = rp + r * n;
-        for (int64_t i = 0; i < n; ++i) rr[i] = bf16(f(xr[i]) + f(rr[i]));
-        src = rr;
+      bf16* src = rp != nullptr ? rp + r * n : xr;
+#ifdef ASERVE_AVX512
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        __m512 a = load_bf16(xr + i, m);
+        if (rp != nullptr) {
+          a = round_bf16(_mm512_add_ps(a, load_bf16(src + i, m)));
+          store_bf16(src + i, a, m);
+        }
+        ss = _mm512_fmadd_ps(a, a, ss);
       }
+      const __m512 inv = _mm512_set1_ps(
+          1.f / std::sqrt(_mm512_reduce_add_ps(ss) / n + static_cast<float>(eps)));
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 y = round_bf16(_mm512_mul_ps(load_bf16(src + i, m), inv));
+        store_bf16(xr + i, _mm512_mul_ps(load_bf16(wp + i, m), y), m);
+      }
+#else
+      if (rp != nullptr)
+        for (int64_t i = 0; i < n; ++i) src[i] = bf16(f(xr[i]) + f(src[i]));
       float ss = 0.f;
       for (int64_t i = 0; i < n; ++i) ss += f(src[i]) * f(src[i]);
       const float inv = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
       for (int64_t i = 0; i < n; ++i) xr[i] = bf16(f(wp[i]) * f(bf16(f(src[i]) * inv)));
+#endif
     }
   });
 }
@@ -66,11 +84,25 @@ void rope(torch::Tensor positions, torch::Tensor x, torch::Tensor cos, torch::Te
       const bf16* s = sp + pos[t] * rot;
       for (int64_t h = 0; h < heads; ++h) {
         bf16* v = xp + t * stride + h * head_dim;
+#ifdef ASERVE_AVX512
+        for (int64_t i = 0; i < half; i += 16) {
+          const __mmask16 m = tail_mask(half - i);
+          const __m512 x1 = load_bf16(v + i, m), x2 = load_bf16(v + i + half, m);
+          const __m512 c1 = load_bf16(c + i, m), c2 = load_bf16(c + i + half, m);
+          const __m512 s1 = load_bf16(s + i, m), s2 = load_bf16(s + i + half, m);
+          const __m512 nx2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+          store_bf16(v + i, _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)),
+                                          round_bf16(_mm512_mul_ps(nx2, s1))), m);
+          store_bf16(v + i + half, _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)),
+                                                 round_bf16(_mm512_mul_ps(x1, s2))), m);
+        }
+#else
         for (int64_t i = 0; i < half; ++i) {
           const float x1 = f(v[i]), x2 = f(v[i + half]);
           v[i] = bf16(f(bf16(x1 * f(c[i]))) + f(bf16(-x2 * f(s[i]))));
           v[i + half] = bf16(f(bf16(x2 * f(c[i + half]))) + f(bf16(x1 * f(s[i + half]))));
         }
+#endif
       }
     }
   });
@@ -84,10 +116,20 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const bf16* g = xp + r * 2 * d;
+#ifdef ASERVE_AVX512
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail_mask(d - i);
+        const __m512 a = load_bf16(g + i, m);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 act = round_bf16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store_bf16(op + r * d + i, _mm512_mul_ps(act, load_bf16(g + d + i, m)), m);
+      }
+#else
       for (int64_t i = 0; i < d; ++i) {
         const float a = f(g[i]);
         op[r * d + i] = bf16(f(bf16(a / (1.f + std::exp(-a)))) * f(g[d + i]));
       }
+#endif
     }
   });
 }
