@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_ref import MIXED, make_batch
+from test_kernels_ref import MIXED, expected, make_batch
 
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.paged_attention_cpu import load_kernel, paged_attention_cpu
@@ -96,3 +96,80 @@ def test_fused_silu_and_mul_is_bit_equal():
         pytest.skip("no C++ toolchain")
     x = torch.randn(17, 2 * 1536).bfloat16()
     assert torch.equal(cpu_fused.silu_and_mul(x), cpu_fused.silu_and_mul_ref(x))
+
+
+def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=None,
+                  soft_cap=None, seed=0):
+    """cpu_attention_forward on a batch whose new rows' K/V are NOT yet in the cache (zeroed
+    there), against dense float64 attention over the true K/V."""
+    from aserve.kernels.paged_attention_cpu import cpu_attention_forward
+    from aserve.layers.attention import AttentionMetadata
+
+    q, kc, vc, starts, lens, table, keys, values = make_batch(
+        reqs, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.bfloat16, seed=seed)
+    keys = [k.bfloat16() for k in keys]
+    values = [v.bfloat16() for v in values]
+    slots, new_k, new_v = [], [], []
+    for r, (q_len, seq_len) in enumerate(reqs):
+        for pos in range(seq_len - q_len, seq_len):
+            block = int(table[r, pos // block_size])
+            slots.append(block * block_size + pos % block_size)
+            kc[block, pos % block_size] = 0
+            vc[block, pos % block_size] = 0
+        new_k.append(keys[r][seq_len - q_len:])
+        new_v.append(values[r][seq_len - q_len:])
+    # the new K/V rows as strided views of one fused projection, as the model produces them
+    fused = torch.cat([torch.cat(new_k), torch.cat(new_v)], dim=1)  # [T, 2 * Hkv, D]
+    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:]
+    meta = AttentionMetadata(starts, lens, table.clamp(min=0), torch.tensor(slots),
+                             max(q for q, _ in reqs), max(s for _, s in reqs),
+                             starts.tolist(), lens.tolist())
+    scale = head_dim**-0.5
+    got = cpu_attention_forward(q, key, value, kc, vc, meta, scale, window, soft_cap)
+    want = expected(q.double(), starts, [k.double() for k in keys],
+                    [v.double() for v in values], scale, window, soft_cap)
+    return got, want, meta
+
+
+LONG = [(1100, 1100), (1, 1200), (1030, 1060)]  # chunks past LONG_CHUNK go to SDPA
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (16, 1), (8, 2)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (80, 32), (16, 4)])
+def test_cpu_forward_stores_and_attends_every_row(num_heads, num_kv_heads, head_dim,
+                                                  block_size):
+    got, want, meta = _forward_case(MIXED + DECODES + [(9, 9), (8, 30), (17, 17)], num_heads,
+                                    num_kv_heads, head_dim, block_size)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert meta.kernel_plan is not None  # planned once, for the next layers
+
+
+@pytest.mark.parametrize("window,soft_cap", [(5, None), (1, None), (None, 2.0), (8, 3.0)])
+def test_cpu_forward_sliding_window_and_soft_cap(window, soft_cap):
+    got, want, _ = _forward_case(MIXED + DECODES, 8, 2, 64, 4, window, soft_cap)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_forward_long_chunks_and_reused_plan():
+    from aserve.kernels.paged_attention_cpu import LONG_CHUNK
+
+    assert max(q for q, _ in LONG) > LONG_CHUNK
+    got, want, meta = _forward_case(LONG + DECODES, 9, 3, 64, 16)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    assert meta.kernel_plan[1] == [0, 2]  # the long chunks, by request
+
+
+def test_cpu_store_kv_skips_padding_slots():
+    from aserve.kernels.paged_attention_cpu import load_kernel as kernel
+    from aserve.kernels.store_kv import store_kv_ref
+
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(6, 2 * 3, 16, generator=gen).bfloat16()
+    key, value = kv[:, :3], kv[:, 3:]
+    slots = torch.tensor([5, -1, 0, 17, -1, 9])
+    got = [torch.zeros(5, 4, 3, 16, dtype=torch.bfloat16) for _ in range(2)]
+    want = [torch.zeros(5, 4, 3, 16, dtype=torch.bfloat16) for _ in range(2)]
+    kernel().store_kv(key, value, *got, slots)
+    store_kv_ref(key, value, *want, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].count_nonzero() == 4 * 3 * 16  # four rows written, the padding ones not

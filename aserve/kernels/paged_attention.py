@@ -188,11 +188,13 @@ def batch_layout(q: torch.Tensor, k_cache: torch.Tensor, query_start_loc: torch.
 def attend_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   starts: list[int], lens: list[int], block_table: torch.Tensor, scale: float,
                   sliding_window: int | None, soft_cap: float | None, out: torch.Tensor,
-                  key: torch.Tensor | None, value: torch.Tensor | None) -> None:
-    """The rows of requests with more than one query token (prefill chunks), into `out`."""
+                  key: torch.Tensor | None, value: torch.Tensor | None,
+                  reqs: list[int] | None = None) -> None:
+    """The rows of requests with more than one query token (prefill chunks), into `out`; only
+    those of `reqs` when given."""
     block_size = k_cache.shape[1]
-    for r, seq_len in enumerate(lens):
-        start, end = starts[r], starts[r + 1]
+    for r in range(len(lens)) if reqs is None else reqs:
+        seq_len, start, end = lens[r], starts[r], starts[r + 1]
         if end - start <= 1:
             continue
         if key is not None and end - start == seq_len:  # a whole prompt: no cached context

@@ -40,6 +40,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # What a kernel plans once per step and every layer reuses (see AttentionOps.forward).
+    kernel_plan: object = None
 
     @property
     def num_reqs(self) -> int:
@@ -100,6 +102,10 @@ class Attention(nn.Module):
             out = self._profile_forward(q, k, v, attn_metadata)
         else:
             m, ops = attn_metadata, self.ops
+            if ops.forward is not None:  # store and attend in one kernel call each
+                out = ops.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], m, self.scale,
+                                  self.sliding_window, self.soft_cap)
+                return out.view(-1, self.num_heads * self.head_dim)
             ops.store_kv(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
             out = ops.paged_attention(
                 q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
