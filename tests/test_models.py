@@ -111,9 +111,15 @@ def test_bfloat16_runs_and_is_close_to_hf(qwen3_dir):
     prefill = step(model, [(ids[:-1], 20, list(range(6)))])
     decode = step(model, [(ids, 1, list(range(6)))])
     assert prefill.dtype == decode.dtype == torch.float32
+    got = torch.cat([prefill, decode])
     ref = hf_logits(qwen3_dir, ids, dtype=torch.bfloat16)
-    # bf16 vs fp32 differs by ~0.3-0.6 here; the same bf16 math agrees far more closely
-    torch.testing.assert_close(torch.cat([prefill, decode]), ref, atol=0.1, rtol=0.02)
+    # bf16 vs fp32 differs by ~0.3-0.6 here; the same bf16 math agrees far more closely (the
+    # attention kernels round differently from HF's SDPA, hence not bit-equal)
+    torch.testing.assert_close(got, ref, atol=0.15, rtol=0.02)
+    # ... and aserve's bf16 is no further from the float32 truth than HF's own bf16 is
+    truth = hf_logits(qwen3_dir, ids)
+    ours, hf = (got - truth).abs().mean(), (ref - truth).abs().mean()
+    assert ours <= 1.1 * hf, (ours, hf)
 
 
 def test_profile_forward_without_cache_equals_paged(llama_dir):
