@@ -65,3 +65,5 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    # The platform's step token budget, for an engine given none.
+    default_max_num_batched_tokens: int = 4096

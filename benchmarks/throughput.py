@@ -109,7 +109,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget of one step (default: the platform's)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)

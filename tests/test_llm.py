@@ -150,3 +150,17 @@ def test_n_completions_share_the_prompt_blocks(model_dir_factory):
     llm.generate([prompt], SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=4))
     # children 2..4 find the first child's 3 full prompt blocks (the last block is recomputed)
     assert llm.stats().prefix_cache_hits == 3 * 48
+
+
+def test_step_token_budget_defaults_to_the_platforms(llm, model_dir_factory):
+    from aserve.backends.cpu import CpuPlatform
+
+    budget = CpuPlatform.default_max_num_batched_tokens
+    assert llm.engine_core.scheduler.config.max_num_batched_tokens == budget
+    with LLM(model_dir_factory("llama"), dtype="float32", max_model_len=256,
+             max_num_batched_tokens=64) as small:
+        assert small.engine_core.scheduler.config.max_num_batched_tokens == 64
+        long_prompt = {"prompt_token_ids": [7] * 150}  # prefilled in three chunks
+        want = llm.generate([long_prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        got = small.generate([long_prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

@@ -53,6 +53,9 @@ class Platform(ABC):
             `torch.no_grad`: torch_xla cannot make inference tensors).
         static_shapes: whether the runner pads each batch's token count to a power of two, so
             that a compiling backend (XLA) sees few distinct shapes.
+        default_max_num_batched_tokens: the engine step's token budget when the user sets
+            none: large enough that the step's GEMMs run at full rate, no larger (a bigger
+            step only delays the first token of every request in it).
 
     Contract:
         - `probe()` is a static method that never raises and has no side effect beyond importing
@@ -72,6 +75,8 @@ class Platform(ABC):
     attention_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
     static_shapes: ClassVar[bool] = False
+    # The engine step's token budget when the user gives none (--max-num-batched-tokens).
+    default_max_num_batched_tokens: ClassVar[int] = 4096
     supports_inference_mode: ClassVar[bool] = True
 
     @staticmethod

@@ -62,6 +62,12 @@ class CpuPlatform(Platform):
             load_kernel()
             cpu_fused.load()
 
+    # GEMMs reach ~90 % of their 8192-row rate at 128-512 rows here; a wave of 8 prompts of
+    # 128 tokens then gets its first tokens over 2 steps instead of one 1024-token step
+    # (serve c=8, smol bf16: TTFT p50 449 ms vs 723 ms, same throughput; offline 64 x 128:
+    # 532 vs 529 tok/s with 4096; 256 gave TTFT 315 ms but offline -4 %).
+    default_max_num_batched_tokens = 512
+
     def prepacks_weights(self, dtype: torch.dtype) -> bool:
         """bf16/fp16 weights go into oneDNN's packed layout; fp32 stays as loaded (bit-equal
         to transformers)."""

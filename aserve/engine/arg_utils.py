@@ -15,7 +15,8 @@ class EngineArgs:
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
+    # Token budget of one step; None: the platform's (CPU 512, GPUs 4096), once it is known.
+    max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = True

@@ -12,6 +12,7 @@ import queue
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import replace
 
 from aserve.config import ModelInfo
 from aserve.core.outputs import (
@@ -72,6 +73,10 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         self.executor = make_executor(args)
         self.model_info: ModelInfo = self.executor.model_info()
+        if args.max_num_batched_tokens is None:
+            args = replace(args, max_num_batched_tokens=(
+                self.model_info.default_max_num_batched_tokens))
+        self.max_num_batched_tokens = args.max_num_batched_tokens
         max_model_len = self.model_info.max_model_len
         # No more blocks than `max_num_seqs` requests of maximal length can use.
         max_useful_blocks = -(-args.max_num_seqs * max_model_len // args.block_size)

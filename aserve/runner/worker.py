@@ -51,6 +51,7 @@ class Worker:
             vocab_size=arch.vocab_size,
             max_model_len=effective_max_model_len(arch, self.model_config.max_model_len),
             eos_token_ids=tuple(arch.eos_token_ids),
+            default_max_num_batched_tokens=self.platform.default_max_num_batched_tokens,
         )
 
     def needs_profiling(self, kv_cache_memory: int | None) -> bool:

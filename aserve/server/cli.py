@@ -50,7 +50,8 @@ ENGINE_HELP = {
     "dtype": "auto (config.json's) | float32 | bfloat16 | float16",
     "max_model_len": "longest prompt + completion in tokens (default: the model's maximum)",
     "max_num_seqs": "most requests running at once",
-    "max_num_batched_tokens": "token budget of one engine step (decodes + prefill chunks)",
+    "max_num_batched_tokens": "token budget of one engine step (decodes + prefill chunks) "
+                              "(default: the platform's: 512 on CPU, 4096 on GPUs)",
     "long_prefill_token_threshold": "cap one request's prefill chunk per step (0: no cap)",
     "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
     "block_size": "tokens per KV cache block",
