@@ -173,3 +173,36 @@ def test_cpu_store_kv_skips_padding_slots():
     store_kv_ref(key, value, *want, slots)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[0].count_nonzero() == 4 * 3 * 16  # four rows written, the padding ones not
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [
+    (1, 5, 2), (7, 48, 64), (8, 96, 576), (13, 1000, 576), (64, 3072, 576), (70, 50, 34),
+    (130, 49, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_cpu_gemm_matches_float32_matmul_to_one_bf16_step(rows, out_features, in_features,
+                                                          with_bias):
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no AVX512-BF16 build here")
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    got = cpu_gemm.PackedWeight(w).linear(x, b).float()
+    exact = x.double() @ w.double().T + (b.double() if with_bias else 0)
+    # float32 sums in another order, then one rounding to bf16: within one bf16 step
+    step = exact.abs().clamp(min=2.0**-126) * 2.0**-7
+    assert torch.all((got.double() - exact).abs() <= step + 1e-3 * exact.abs().max())
+
+
+def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no AVX512-BF16 build here")
+    w = torch.randn(40, 64).bfloat16()
+    x = torch.randn(3, 5, 128).bfloat16()[..., :64]  # strided rows
+    got = cpu_gemm.PackedWeight(w).linear(x)
+    assert got.shape == (3, 5, 40)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=0.02)

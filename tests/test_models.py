@@ -209,7 +209,10 @@ def test_unknown_dtype_is_refused(llama_dir):
         load(llama_dir, dtype="int8")
 
 
-def test_prepacked_bf16_weights_give_identical_logits(qwen3_dir):
+def test_prepacked_bf16_weights_give_the_same_logits(qwen3_dir):
+    """Bit-equal through oneDNN's packing; through aserve's AVX512-BF16 GEMM the sums run in
+    another order: as close to the float32 truth as F.linear's."""
+    from aserve.kernels import cpu_gemm
     from aserve.layers.linear import can_prepack, prepack_linear_weights
 
     ids = prompt()
@@ -223,4 +226,11 @@ def test_prepacked_bf16_weights_give_identical_logits(qwen3_dir):
         bind_cache(model, arch, dtype=torch.bfloat16)
         results.append(torch.cat([step(model, [(ids[:-1], 20, list(range(6)))]),
                                   step(model, [(ids, 1, list(range(6)))])]))
-    assert torch.equal(results[0], results[1])
+    if not cpu_gemm.available():
+        assert torch.equal(results[0], results[1])
+        return
+    assert isinstance(packed.lm_head.packed_weight, cpu_gemm.PackedWeight)
+    torch.testing.assert_close(results[1], results[0], atol=0.15, rtol=0.02)
+    truth = hf_logits(qwen3_dir, ids)
+    plain_err, packed_err = ((r - truth).abs().mean() for r in results)
+    assert packed_err <= 1.1 * plain_err, (packed_err, plain_err)

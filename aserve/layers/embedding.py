@@ -56,10 +56,10 @@ class LMHead(VocabEmbedding):
         """Share the embedding's weight (tied word embeddings)."""
         self.weight = embedding.weight
 
-    packed_weight: torch.Tensor | None = None
+    packed_weight: object = None  # a PackedWeight or a oneDNN-packed tensor (see prepack)
 
     def prepack(self) -> None:
-        """A oneDNN-blocked copy for the GEMM; the weight stays (the embedding may share it)."""
+        """A packed copy for the GEMM; the weight stays (the embedding may share it)."""
         self.packed_weight = pack_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
