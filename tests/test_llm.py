@@ -161,6 +161,7 @@ def test_step_token_budget_defaults_to_the_platforms(llm, model_dir_factory):
              max_num_batched_tokens=64) as small:
         assert small.engine_core.scheduler.config.max_num_batched_tokens == 64
         long_prompt = {"prompt_token_ids": [7] * 150}  # prefilled in three chunks
-        want = llm.generate([long_prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-        got = small.generate([long_prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        want = llm.generate([long_prompt], greedy)
+        got = small.generate([long_prompt], greedy)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

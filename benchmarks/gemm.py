@@ -1,0 +1,99 @@
+"""aserve's CPU bf16 GEMM (`aserve/kernels/cpu_gemm.py`) beside oneDNN's prepacked linear (the
+engine's previous path) and `F.linear`, on a model's linear shapes; one JSON line.
+
+    python benchmarks/gemm.py --model /tmp/models/smol [--rows 1,8,64,512]
+
+Two measures per row count:
+- "hot": each layer shape alone, its weight in cache (best of repeats): GFLOP/s per kernel;
+- "stream": one decode step's worth of GEMMs over ALL the model's weights (every layer's
+  shapes, then the LM head), so weights come from memory as in a real step: ms per step and
+  the weight bytes streamed per second.
+Ratios are oneDNN time / aserve time (above 1: aserve faster), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from matmul_limit import LinearShapes  # noqa: E402
+
+
+def best_time(fn, min_repeats: int = 5, budget_s: float = 0.5) -> float:
+    fn()
+    best, start, repeats = float("inf"), time.perf_counter(), 0
+    while repeats < min_repeats or (time.perf_counter() - start < budget_s and repeats < 200):
+        t0 = time.perf_counter()
+        fn()
+        best, repeats = min(best, time.perf_counter() - t0), repeats + 1
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF model directory (its config.json)")
+    ap.add_argument("--rows", default="1,8,64,512")
+    args = ap.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        print(json.dumps({"benchmark": "gemm", "error": "no AVX512-BF16 build on this CPU"}))
+        return 1
+    shapes = LinearShapes.from_config(args.model)
+    torch.manual_seed(0)
+    kernels = {
+        "aserve": lambda w: (lambda x, p=cpu_gemm.PackedWeight(w): p.linear(x)),
+        "onednn": lambda w: (lambda x, p=torch.ops.mkldnn._reorder_linear_weight(w, 64):
+                             torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")),
+        "f_linear": lambda w: (lambda x: F.linear(x, w)),
+    }
+    report: dict = {"benchmark": "gemm", "model": args.model, "threads": torch.get_num_threads(),
+                    "hot": {}, "stream": {}}
+    with torch.inference_mode():
+        for rows in map(int, args.rows.split(",")):
+            for k, n in (*shapes.layer, shapes.head):
+                w = torch.randn(n, k, dtype=torch.bfloat16)
+                x = torch.randn(rows, k, dtype=torch.bfloat16)
+                gflops = {name: round(2 * rows * k * n / best_time(lambda f=make(w): f(x)) / 1e9)
+                          for name, make in kernels.items()}
+                gflops["ratio"] = round(gflops["aserve"] / gflops["onednn"], 2)
+                report["hot"][f"{rows}x{n}x{k}"] = gflops
+        weight_bytes = 2 * (sum(k * n for k, n in shapes.layer) * shapes.num_layers
+                            + shapes.head[0] * shapes.head[1])
+        for name in ("aserve", "onednn"):
+            layers = [[kernels[name](torch.randn(n, k, dtype=torch.bfloat16))
+                       for k, n in shapes.layer] for _ in range(shapes.num_layers)]
+            head = kernels[name](torch.randn(shapes.head[1], shapes.head[0], dtype=torch.bfloat16))
+            for rows in (1, 8, 64):
+                xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k, _ in shapes.layer}
+
+                def step(xs=xs, layers=layers, head=head):
+                    for fns in layers:
+                        for (k, _), fn in zip(shapes.layer, fns, strict=True):
+                            fn(xs[k])
+                    head(xs[shapes.head[0]])
+
+                seconds = best_time(step, min_repeats=3, budget_s=1.0)
+                report["stream"].setdefault(str(rows), {})[name] = {
+                    "ms_per_step": round(1e3 * seconds, 2),
+                    "weight_gb_per_s": round(weight_bytes / seconds / 1e9, 1)}
+            del layers, head
+        for rows, entry in report["stream"].items():
+            entry["ratio"] = round(entry["onednn"]["ms_per_step"] / entry["aserve"]["ms_per_step"], 2)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
