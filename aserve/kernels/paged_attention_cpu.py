@@ -115,13 +115,17 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int32_t* tab
 // 16-wide chunks of head_dim, all Q*P accumulators in registers (Q, P known at compile time).
 template <int Q, int P>
 static void weighted_values(const at::BFloat16* vc, const int64_t* offs, int64_t n,
-                            const float* p, int64_t p_stride, int64_t c, const float* inv,
-                            at::BFloat16* const* o) {
+                            const float* p, int64_t p_stride, int64_t c, int64_t d,
+                            const float* inv, at::BFloat16* const* o) {
   __m512 acc[Q][P];
   for (int g = 0; g < Q; ++g)
     for (int j = 0; j < P; ++j) acc[g][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[P];
+    if (c == 0 && t + 8 < n) {  // the first pass over the rows fetches them ahead
+      const char* ahead = reinterpret_cast<const char*>(vc + offs[t + 8]);
+      for (int64_t l = 0; l < 2 * d; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    }
     for (int j = 0; j < P; ++j) v[j] = load_bf16(vc + offs[t] + 16 * (c + j));
     for (int g = 0; g < Q; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
@@ -134,7 +138,7 @@ static void weighted_values(const at::BFloat16* vc, const int64_t* offs, int64_t
 }
 
 using WeightedValues = void (*)(const at::BFloat16*, const int64_t*, int64_t, const float*,
-                                int64_t, int64_t, const float*, at::BFloat16* const*);
+                                int64_t, int64_t, int64_t, const float*, at::BFloat16* const*);
 constexpr int64_t kQueryTile = 8;  // queries whose accumulators stay in registers
 // Indexed by the number of queries in a tile (1..8).
 static const WeightedValues kWeightedPairs[9] = {
@@ -213,6 +217,10 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         const int64_t cnt = std::min<int64_t>(16, n - t0);
         for (int64_t i = 0; i < cnt; ++i) {
           const at::BFloat16* k = kc + offs[t0 + i];
+          if (t0 + i + 16 < n) {  // rows sit in scattered blocks: fetch the next group's
+            const char* ahead = reinterpret_cast<const char*>(kc + offs[t0 + i + 16]);
+            for (int64_t l = 0; l < 2 * d; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+          }
 #ifdef __AVX512BF16__
           __m512i kw[8];
           for (int64_t w = 0; w < words; ++w)
@@ -274,7 +282,7 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         const int64_t nk = *std::max_element(hi.begin() + j0, hi.begin() + j0 + nt);
         for (int64_t c = 0; c < chunks; c += 2)
           (c + 1 < chunks ? kWeightedPairs : kWeightedSingles)[nt](
-              vc, offs.data(), nk, &scores[j0 * n], n, c, &inv[j0], &outs[j0]);
+              vc, offs.data(), nk, &scores[j0 * n], n, c, d, &inv[j0], &outs[j0]);
       }
     }
   });
