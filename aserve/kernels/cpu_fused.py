@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from aserve.kernels.cpu_simd import PRELUDE
-from aserve.kernels.paged_attention_cpu import build_extension
+from aserve.kernels import cpu_simd
 from aserve.kernels.rms_norm import rms_norm_ref as rms_norm_ref
 from aserve.kernels.rotary import rope_ref as rope_ref
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-""" + PRELUDE + r"""
 using bf16 = at::BFloat16;
 static inline float f(bf16 v) { return static_cast<float>(v); }
 
@@ -135,11 +133,11 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 }
 """
 
-_FUNCTIONS = ["rms_norm", "rope", "silu_and_mul"]
+FUNCTIONS = ["rms_norm", "rope", "silu_and_mul"]
 
 
 def _module():
-    return build_extension("aserve_cpu_fused", _SOURCE, _FUNCTIONS)
+    return cpu_simd.load()
 
 
 def load() -> bool:

@@ -23,23 +23,21 @@ from __future__ import annotations
 
 import torch
 
-from aserve.kernels.cpu_simd import PRELUDE
-from aserve.kernels.paged_attention_cpu import build_extension
+from aserve.kernels import cpu_simd
 
 PANEL = 48  # output features per panel (3 vectors of 16)
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-""" + PRELUDE + r"""
 #if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
 #define ASERVE_GEMM 1
 #endif
 
 constexpr int64_t kVecs = 3, kPanel = 16 * kVecs, kRows = 8, kRowBlock = 64;
 
-bool supported() {
+bool gemm_supported() {
 #ifdef ASERVE_GEMM
   return true;
 #else
@@ -48,9 +46,9 @@ bool supported() {
 }
 
 // w [N, K] bf16 (K even) -> [panels, K / 2, 3, 16, 2], zero past N.
-torch::Tensor pack(torch::Tensor w) {
+torch::Tensor gemm_pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
-              "pack: a bf16 [N, K] weight with K even");
+              "gemm_pack: a bf16 [N, K] weight with K even");
   w = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, panels = (N + kPanel - 1) / kPanel;
   auto out = torch::zeros({panels, K2, kVecs, 16, 2}, w.options());
@@ -98,9 +96,9 @@ static const Tile kTiles[kRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<
 #endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias [N]) for the packed W; x contiguous bf16.
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                      c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(supported(), "cpu_gemm.linear: built without AVX512-BF16");
+  TORCH_CHECK(gemm_supported(), "cpu_gemm.linear: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "cpu_gemm.linear: x must be a contiguous bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, panels = packed.size(0);
@@ -130,14 +128,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N,
 """
 
 
+FUNCTIONS = ["gemm_supported", "gemm_pack", "gemm_linear"]
+
+
 def _module():
-    return build_extension("aserve_cpu_gemm", _SOURCE, ["supported", "pack", "linear"])
+    return cpu_simd.load()
 
 
 def available() -> bool:
     """Whether this CPU build has the AVX512-BF16 GEMM."""
     module = _module()
-    return module is not None and module.supported()
+    return module is not None and module.gemm_supported()
 
 
 class PackedWeight:
@@ -145,7 +146,7 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        self.data = _module().pack(weight)  # [panels, K / 2, 3, 16, 2]
+        self.data = _module().gemm_pack(weight)  # [panels, K / 2, 3, 16, 2]
 
     @staticmethod
     def supports(weight: torch.Tensor) -> bool:
@@ -155,5 +156,5 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N]."""
         rows = x.reshape(-1, self.in_features).contiguous()
-        y = _module().linear(rows, self.data, self.out_features, bias)
+        y = _module().gemm_linear(rows, self.data, self.out_features, bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -1,35 +1,37 @@
-"""Paged attention on CPU: decode rows through a small C++ kernel that reads K/V straight from
-the paged cache (no gathered copy of each sequence), prefill chunks as in the reference.
+"""Paged attention on CPU in C++ (the extension of `cpu_simd.load`), reading K/V straight from
+the paged cache: no gathered copy of any sequence.
 
-The kernel is compiled on first use with `torch.utils.cpp_extension.load_inline` (needs a C++
-compiler and ninja; the build is cached under the torch extensions directory, keyed by this
-CPU's instruction-set flags since it is built with `-march=native`). When it cannot be built,
-`paged_attention_cpu` falls back to `paged_attention_ref`, its oracle, with a warning.
+    cpu_attention_forward   the layer's entry (AttentionOps.forward): store this step's K/V,
+                            then attend for every row of the batch, two C++ calls per layer
+    attend_rows (C++)       bf16 + AVX-512: tiles of up to ROW_TILE query rows of one request
+                            (a decode row is a tile of one; a prefill chunk, with or without
+                            cached context, is cut into tiles); chunks over LONG_CHUNK rows go to
+                            SDPA over the chunk instead
+    paged_decode (C++)      decode rows only, any float dtype (scalar loops where the CPU has
+                            no AVX-512); `paged_attention_cpu` pairs it with SDPA for chunks
 
-One task per (decode request, kv head): for its G = Hq / Hkv query heads it computes scores
-against every key of the sequence block by block, a float32 softmax, and the weighted sum of
-values, converting bf16/fp16 to float32 in registers:
+One task per (tile, kv head) serves the tile's rows x G = Hq / Hkv query heads at once, so each
+K/V row is read once per task; row j of a tile attends the first len0 + j keys of its sequence:
 
     block_table[r] = [7, 2, 5]   seq_len = 10, block_size = 4
     keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
+    a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
+
+Scores go 16 keys at a time (dpbf16 where the CPU has AVX512-BF16, then a transpose-reduce),
+the softmax is float32 over each query's own keys, the weighted sum of values keeps its float32
+sums in registers, and the next group's rows are prefetched (blocks are scattered in memory).
+Without a C++ toolchain everything falls back to `paged_attention_ref`, its oracle.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-
 import numpy as np
 import torch
 
-from aserve.kernels.cpu_simd import PRELUDE
+from aserve.kernels import cpu_simd
 from aserve.kernels.paged_attention import attend_chunks, batch_layout, paged_attention_ref
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -37,7 +39,6 @@ _SOURCE = r"""
 #include <cstring>
 #include <limits>
 #include <vector>
-""" + PRELUDE + r"""
 
 // Dot product with 16 independent partial sums, so that the compiler can vectorize it without
 // reassociating one serial float sum (which -O3 alone must not do).
@@ -385,54 +386,12 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
 }
 """
 
-_built: dict[str, object] = {}  # extension name -> module, or None when the build failed
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
-def _put_ninja_on_path() -> None:
-    """torch runs `ninja` from PATH; the pip package's binary may not be on it (pyenv shims
-    appear only after a rehash, a venv's bin only when activated)."""
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
-
-
-def build_extension(name: str, source: str, functions: list[str]):
-    """Compile (or load the cached build of) a C++ extension for this CPU; None if it cannot
-    be built here (no compiler or ninja), with one warning."""
-    if name in _built:
-        return _built[name]
-    from torch.utils.cpp_extension import load_inline
-
-    _put_ninja_on_path()
-    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
-    try:
-        module = load_inline(
-            name=f"{name}_{key}", cpp_sources=[source], functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - no compiler / ninja: the references still work
-        module = None
-        logger.warning("The C++ CPU extension %s could not be built (%s); using the torch "
-                       "references instead.", name, e)
-    _built[name] = module
-    return module
+FUNCTIONS = ["paged_decode", "attend_rows", "rows_supported", "store_kv"]
 
 
 def load_kernel():
-    """The compiled attention extension, or None if it cannot be built here."""
-    return build_extension("aserve_cpu_attention", _SOURCE,
-                           ["paged_decode", "attend_rows", "rows_supported", "store_kv"])
+    """The compiled CPU extension (`cpu_simd.load`), or None if it cannot be built here."""
+    return cpu_simd.load()
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
