@@ -206,3 +206,22 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
     got = cpu_gemm.PackedWeight(w).linear(x)
     assert got.shape == (3, 5, 40)
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=0.02)
+
+
+def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
+    from aserve.kernels import cpu_fused
+
+    if not cpu_fused.load():
+        pytest.skip("no C++ toolchain")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 49157, generator=gen)  # a tail past whole vectors
+    x[1, 100] = x[1, 40000] = 50.0  # a tie: the first wins
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, 7] = float("nan")  # NaN wins, as in torch
+    x[3, 3] = float("inf")
+    x[4, 49156] = float("inf")  # in the tail
+    x[5] = torch.randint(0, 3, (49157,), generator=gen).float()  # many ties
+    x[6, 20] = x[6, 30] = float("nan")  # the first NaN
+    x[7, 0] = 1e30
+    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_fused.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))

@@ -131,9 +131,60 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
     }
   });
 }
+
+// out[r] = the first index of row r's maximum, as torch.argmax (a NaN counts as the maximum:
+// the first NaN's index). x [R, V] float32, contiguous.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat,
+              "argmax_rows: a contiguous float32 [R, V]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* v = xp + r * n;
+      int64_t best = 0;
+      bool nan = false;
+#ifdef ASERVE_AVX512
+      const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512 mx = neg_inf;
+      __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                                                   10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      __mmask16 any_nan = 0;
+      for (int64_t i = 0; i < n; i += 16) {  // per lane: the first strictly greater value
+        const __m512 a = _mm512_mask_loadu_ps(neg_inf, tail_mask(n - i), v + i);
+        any_nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(a, mx, _CMP_GT_OQ);
+        mx = _mm512_mask_mov_ps(mx, gt, a);
+        at = _mm512_mask_mov_epi32(at, gt, idx);
+        idx = _mm512_add_epi32(idx, step);
+      }
+      nan = any_nan != 0;
+      if (!nan) {  // the lowest index among the lanes holding the maximum
+        const float m = _mm512_reduce_max_ps(mx);
+        const __mmask16 top = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(m), _CMP_EQ_OQ);
+        best = _mm512_mask_reduce_min_epi32(top, at);
+      }
+#else
+      float m = v[0];
+      for (int64_t i = 0; i < n && !nan; ++i) {
+        if (std::isnan(v[i])) nan = true;
+        else if (v[i] > m) { m = v[i]; best = i; }
+      }
+#endif
+      if (nan)
+        for (int64_t i = 0; i < n; ++i)
+          if (std::isnan(v[i])) { best = i; break; }
+      op[r] = best;
+    }
+  });
+  return out;
+}
 """
 
-FUNCTIONS = ["rms_norm", "rope", "silu_and_mul"]
+FUNCTIONS = ["rms_norm", "rope", "silu_and_mul", "argmax_rows"]
 
 
 def _module():
@@ -165,6 +216,11 @@ def rope(positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] float32 -> [R] int64, exactly `logits.argmax(-1)` (first maximum; NaN wins)."""
+    return _module().argmax_rows(logits.contiguous())
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

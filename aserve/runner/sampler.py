@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aserve.backends.fused import argmax_op
 from aserve.core.outputs import LogprobsLists
 from aserve.runner.sampling_metadata import SamplingMetadata
 
@@ -86,8 +87,8 @@ class Sampler(torch.nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return logits.argmax(dim=-1)  # [N]
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)  # [N]
+            return greedy_tokens(logits)  # [N]
+        greedy = None if metadata.all_random else greedy_tokens(logits)  # [N]
         probs = filtered_probs(logits, metadata)  # [N, V]
         random = probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [N]
         if greedy is None:
@@ -107,6 +108,12 @@ class Sampler(torch.nn.Module):
             noise[row].exponential_(generator=generator)
         # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which argmax picks.
         return noise.to(probs.device).clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax per row (ties -> lowest id, like HF), through the platform's op where it has one."""
+    op = argmax_op(logits)
+    return logits.argmax(dim=-1) if op is None else op(logits)
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
