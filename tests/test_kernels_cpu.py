@@ -225,3 +225,27 @@ def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
     x[7, 0] = 1e30
     assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
     assert torch.equal(cpu_fused.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
+
+
+def test_cpu_forward_padding_rows_are_zero_and_write_no_kv():
+    from aserve.kernels.paged_attention_cpu import cpu_attention_forward
+    from aserve.layers.attention import AttentionMetadata
+
+    q, kc, vc, starts, lens, table, keys, values = make_batch(DECODES, 8, 2, 64, 16,
+                                                              dtype=torch.bfloat16)
+    table = table.clamp(min=0)
+    slots = torch.tensor([int(table[r, (n - 1) // 16]) * 16 + (n - 1) % 16
+                          for r, (_, n) in enumerate(DECODES)] + [-1, -1])
+    key = torch.stack([k[-1] for k in keys] + [torch.ones(2, 64)] * 2).bfloat16()
+    value = torch.stack([v[-1] for v in values] + [torch.ones(2, 64)] * 2).bfloat16()
+    padded = torch.cat([q, torch.full((2, 8, 64), 3.0).bfloat16()])
+    before = (kc.clone(), vc.clone())
+    meta = AttentionMetadata(starts, lens, table, slots, 1, max(lens.tolist()),
+                             starts.tolist(), lens.tolist())
+    out = cpu_attention_forward(padded, key, value, kc, vc, meta, 0.125)
+    assert torch.all(out[len(DECODES):] == 0)
+    want = expected(q.double(), starts, [k.bfloat16().double() for k in keys],
+                    [v.bfloat16().double() for v in values], 0.125)
+    torch.testing.assert_close(out[: len(DECODES)].double(), want, atol=2e-2, rtol=2e-2)
+    # the decode rows rewrite the values already there; the padding rows (all ones) write nothing
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])

@@ -485,6 +485,8 @@ def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     module.store_kv(key, value, k_cache, v_cache, slots)
     q = q.contiguous()
     out = torch.empty_like(q)
+    if starts[-1] < q.shape[0]:  # padding rows past the last request: defined, never read
+        out[starts[-1]:] = 0
     if len(tiles):
         module.attend_rows(q, k_cache, v_cache, block_table, tiles, out, scale,
                            sliding_window or 0, soft_cap or 0.0)
