@@ -131,6 +131,11 @@ def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=No
     return got, want, meta
 
 
+def _row_tiles(num_heads: int, head_dim: int) -> bool:
+    """Whether this build runs the row-tile kernel (AVX-512) rather than the fallback."""
+    return load_kernel().rows_supported(torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16))
+
+
 LONG = [(1100, 1100), (1, 1200), (1030, 1060)]  # chunks past LONG_CHUNK go to SDPA
 
 
@@ -141,7 +146,8 @@ def test_cpu_forward_stores_and_attends_every_row(num_heads, num_kv_heads, head_
     got, want, meta = _forward_case(MIXED + DECODES + [(9, 9), (8, 30), (17, 17)], num_heads,
                                     num_kv_heads, head_dim, block_size)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-    assert meta.kernel_plan is not None  # planned once, for the next layers
+    if _row_tiles(num_heads, head_dim):
+        assert meta.kernel_plan is not None  # planned once, for the next layers
 
 
 @pytest.mark.parametrize("window,soft_cap", [(5, None), (1, None), (None, 2.0), (8, 3.0)])
@@ -156,7 +162,8 @@ def test_cpu_forward_long_chunks_and_reused_plan():
     assert max(q for q, _ in LONG) > LONG_CHUNK
     got, want, meta = _forward_case(LONG + DECODES, 9, 3, 64, 16)
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
-    assert meta.kernel_plan[1] == [0, 2]  # the long chunks, by request
+    if _row_tiles(9, 64):
+        assert meta.kernel_plan[1] == [0, 2]  # the long chunks, by request
 
 
 def test_cpu_store_kv_skips_padding_slots():

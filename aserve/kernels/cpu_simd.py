@@ -127,6 +127,9 @@ static inline __m512 exp16(__m512 x) {
 """
 
 _built: dict[str, object] = {}  # extension name -> module, or None when the build failed
+# More compiler flags for the build, e.g. "-mno-avx512bf16" or "-mno-avx512f" to build and test
+# the fallback paths of a CPU without those instructions (the cache key includes them).
+EXTRA_CFLAGS_ENV = "ASERVE_CPU_CFLAGS"
 
 
 def _cpu_flags() -> str:
@@ -158,11 +161,13 @@ def build_extension(name: str, source: str, functions: list[str]):
     from torch.utils.cpp_extension import load_inline
 
     _put_ninja_on_path()
-    key = hashlib.sha256((source + _cpu_flags() + torch.__version__).encode()).hexdigest()[:12]
+    cflags = ["-O3", "-march=native", "-fopenmp", *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
+    key = hashlib.sha256((source + _cpu_flags() + torch.__version__ + " ".join(cflags)).encode()
+                         ).hexdigest()[:12]
     try:
         module = load_inline(
             name=f"{name}_{key}", cpp_sources=[source], functions=functions,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the references still work
         module = None
         logger.warning("The C++ CPU extension %s could not be built (%s); using the torch "
