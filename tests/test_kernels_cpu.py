@@ -256,3 +256,12 @@ def test_cpu_forward_padding_rows_are_zero_and_write_no_kv():
     torch.testing.assert_close(out[: len(DECODES)].double(), want, atol=2e-2, rtol=2e-2)
     # the decode rows rewrite the values already there; the padding rows (all ones) write nothing
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_cpu_store_kv_refuses_a_slot_past_the_cache():
+    from aserve.kernels.paged_attention_cpu import load_kernel as kernel
+
+    kv = torch.randn(2, 2, 16).bfloat16()
+    caches = [torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernel().store_kv(kv[:, :1], kv[:, 1:], *caches, torch.tensor([3, 8]))

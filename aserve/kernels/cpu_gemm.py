@@ -103,6 +103,9 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
               "cpu_gemm.linear: x must be a contiguous bf16 [M, K]");
   const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K2 && packed.size(0) * kPanel >= N, "cpu_gemm.linear: shapes");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 &&
+                                    bias->is_contiguous() && bias->numel() == N),
+              "cpu_gemm.linear: a contiguous bf16 bias of N values");
   auto y = torch::empty({M, N}, x.options());
 #ifdef ASERVE_GEMM
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();

@@ -340,8 +340,10 @@ void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
   const char* vs = static_cast<const char*>(value.data_ptr());
   const int64_t kstride = key.stride(0) * key.element_size();
   const int64_t vstride = value.stride(0) * value.element_size();
+  const int64_t capacity = k_cache.numel() / row;  // slots in the cache
   for (int64_t t = 0; t < num; ++t) {
     if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < capacity, "store_kv: slot ", slots[t], " past the cache's ", capacity);
     std::memcpy(kd + slots[t] * bytes, ks + t * kstride, bytes);
     std::memcpy(vd + slots[t] * bytes, vs + t * vstride, bytes);
   }
