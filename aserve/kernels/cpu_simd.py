@@ -176,11 +176,16 @@ def build_extension(name: str, source: str, functions: list[str]):
     return module
 
 
+EXTENSION = "aserve_cpu_kernels"
+
+
 def load():
-    """The one extension of every CPU kernel (built on first use), or None."""
+    """The one extension of every CPU kernel (built on first use), or None. Every kernel call
+    asks, so the answer comes from `_built` once known."""
+    if EXTENSION in _built:
+        return _built[EXTENSION]
     from aserve.kernels import cpu_fused, cpu_gemm, paged_attention_cpu
 
     parts = (paged_attention_cpu, cpu_fused, cpu_gemm)
-    return build_extension("aserve_cpu_kernels",
-                           HEADER + PRELUDE + "".join(part.SOURCE for part in parts),
+    return build_extension(EXTENSION, HEADER + PRELUDE + "".join(part.SOURCE for part in parts),
                            [name for part in parts for name in part.FUNCTIONS])
