@@ -134,3 +134,19 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
+
+
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    """HF transformers' greedy continuations (float32, CPU), exactly `num_new` tokens each."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs

@@ -102,7 +102,7 @@ def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=No
                   soft_cap=None, seed=0):
     """cpu_attention_forward on a batch whose new rows' K/V are NOT yet in the cache (zeroed
     there), against dense float64 attention over the true K/V."""
-    from aserve.kernels.paged_attention_cpu import cpu_attention_forward
+    from aserve.kernels.cpu_attention import cpu_attention_forward
     from aserve.layers.attention import AttentionMetadata
 
     q, kc, vc, starts, lens, table, keys, values = make_batch(
@@ -157,7 +157,7 @@ def test_cpu_forward_sliding_window_and_soft_cap(window, soft_cap):
 
 
 def test_cpu_forward_long_chunks_and_reused_plan():
-    from aserve.kernels.paged_attention_cpu import LONG_CHUNK
+    from aserve.kernels.cpu_attention import LONG_CHUNK
 
     assert max(q for q, _ in LONG) > LONG_CHUNK
     got, want, meta = _forward_case(LONG + DECODES, 9, 3, 64, 16)
@@ -235,7 +235,7 @@ def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
 
 
 def test_cpu_forward_padding_rows_are_zero_and_write_no_kv():
-    from aserve.kernels.paged_attention_cpu import cpu_attention_forward
+    from aserve.kernels.cpu_attention import cpu_attention_forward
     from aserve.layers.attention import AttentionMetadata
 
     q, kc, vc, starts, lens, table, keys, values = make_batch(DECODES, 8, 2, 64, 16,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from hf_models import hf_greedy
 from server.test_cli import free_port, wait_healthy
 
 from aserve import LLM, SamplingParams
@@ -33,20 +33,6 @@ CASES = {
 }
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
 LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
 
 
@@ -57,7 +43,7 @@ def test_parallel_greedy_matches_hf(model_dir_factory, case, layout):
     model_dir = model_dir_factory(arch, **overrides)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 16, 33, 50, 9)]
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     with LLM(model_dir, dtype="float32", max_num_batched_tokens=24, block_size=4,
              **LAYOUTS[layout]) as llm:
@@ -73,7 +59,7 @@ def test_tp2_pp2_greedy_matches_hf_under_preemption(model_dir_factory):
     model_dir = model_dir_factory("llama", num_hidden_layers=3)
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (30, 41, 12, 50)]
-    expected = hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     with LLM(model_dir, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2,
              num_kv_blocks=10, block_size=8, max_model_len=80) as llm:
@@ -92,7 +78,7 @@ def test_pp2_with_an_uneven_layer_partition_matches_hf(model_dir_factory, partit
         runner = llm.engine_core.executor.worker.runner
         assert len(runner.model.attention_layers()) == int(partition[0])  # stage 0's share
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, NUM_NEW)
 
 
 def test_a_layer_partition_must_match_the_stages():

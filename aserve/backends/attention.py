@@ -42,7 +42,8 @@ def attention_ops(backend: str, dtype: torch.dtype) -> AttentionOps:
 
         return AttentionOps("triton", store_kv_triton, paged_attention_triton)
     if backend == "cpu" and dtype != torch.float32:
-        from aserve.kernels.paged_attention_cpu import cpu_attention_forward, paged_attention_cpu
+        from aserve.kernels.cpu_attention import cpu_attention_forward
+        from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
         return AttentionOps("cpu", store_kv_ref, paged_attention_cpu, cpu_attention_forward)
     if backend not in ATTENTION_BACKENDS:

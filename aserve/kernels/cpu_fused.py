@@ -18,9 +18,6 @@ from aserve.kernels.rms_norm import rms_norm_ref as rms_norm_ref
 from aserve.kernels.rotary import rope_ref as rope_ref
 
 SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
 using bf16 = at::BFloat16;
 static inline float f(bf16 v) { return static_cast<float>(v); }
 

@@ -28,9 +28,6 @@ from aserve.kernels import cpu_simd
 PANEL = 48  # output features per panel (3 vectors of 16)
 
 SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
 #if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
 #define ASERVE_GEMM 1
 #endif

@@ -9,12 +9,13 @@ is printed (`-rP` shows it).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
 
 import pytest
-import torch
+from hf_models import hf_greedy
 
 from aserve import LLM, SamplingParams
 
@@ -29,19 +30,11 @@ TOKEN_BUDGET = 16
 @pytest.fixture(scope="module")
 def reference(model_dir_factory) -> tuple[Path, list[list[int]], list[list[int]]]:
     """The llama dir, prompts of varied lengths, and HF's greedy continuations on CPU."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = model_dir_factory("llama")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=0)
-            expected.append(out[0, len(prompt):].tolist())
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
     return model_dir, prompts, expected
 
 

@@ -1,0 +1,361 @@
+"""Attention on CPU for every row of a batch, bf16 + AVX-512, in C++ (the extension of
+`cpu_simd.load`), reading K/V straight from the paged cache: no gathered copy of any sequence.
+
+    cpu_attention_forward   the layer's entry (AttentionOps.forward): store this step's K/V,
+                            then attend for every row of the batch, two C++ calls per layer
+    attend_rows (C++)       tiles of up to ROW_TILE query rows of one request (a decode row is a
+                            tile of one; a prefill chunk, with or without cached context, is cut
+                            into tiles); chunks over LONG_CHUNK rows go to SDPA instead
+    store_kv (C++)          this step's K/V rows into their slots
+
+One task per (tile, kv head) serves the tile's rows x G = Hq / Hkv query heads at once, so each
+K/V row is read once per task; row j of a tile attends the first len0 + j keys of its sequence:
+
+    block_table[r] = [7, 2, 5]   seq_len = 10, block_size = 4
+    keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
+    a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
+
+Scores go 16 keys at a time (dpbf16 where the CPU has AVX512-BF16, then a transpose-reduce),
+the softmax is float32 over each query's own keys, the weighted sum of values keeps its float32
+sums in registers, and the next group's rows are prefetched (blocks are scattered in memory).
+Where the kernel does not apply (fp16, no AVX-512, head_dim % 16), `cpu_attention_forward` is
+`store_kv_ref` + `paged_attention_cpu`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from aserve.kernels import cpu_simd
+from aserve.kernels.paged_attention import attend_chunks
+from aserve.kernels.paged_attention_cpu import paged_attention_cpu
+
+SOURCE = r"""
+#ifdef ASERVE_AVX512
+// o[q][16c : 16(c+P)] = inv[q] * sum_t p[q, t] * v_t[16c : 16(c+P)] for Q queries and P
+// 16-wide chunks of head_dim, all Q*P accumulators in registers (Q, P known at compile time).
+template <int Q, int P>
+static void weighted_values(const at::BFloat16* vc, const int64_t* offs, int64_t n,
+                            const float* p, int64_t p_stride, int64_t c, int64_t d,
+                            const float* inv, at::BFloat16* const* o) {
+  __m512 acc[Q][P];
+  for (int g = 0; g < Q; ++g)
+    for (int j = 0; j < P; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[P];
+    if (c == 0 && t + 8 < n) {  // the first pass over the rows fetches them ahead
+      const char* ahead = reinterpret_cast<const char*>(vc + offs[t + 8]);
+      for (int64_t l = 0; l < 2 * d; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+    }
+    for (int j = 0; j < P; ++j) v[j] = load_bf16(vc + offs[t] + 16 * (c + j));
+    for (int g = 0; g < Q; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+      for (int j = 0; j < P; ++j) acc[g][j] = _mm512_fmadd_ps(pg, v[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < Q; ++g)
+    for (int j = 0; j < P; ++j)
+      store_bf16(o[g] + 16 * (c + j), _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
+}
+
+using WeightedValues = void (*)(const at::BFloat16*, const int64_t*, int64_t, const float*,
+                                int64_t, int64_t, int64_t, const float*, at::BFloat16* const*);
+constexpr int64_t kQueryTile = 8;  // queries whose accumulators stay in registers
+// Indexed by the number of queries in a tile (1..8).
+static const WeightedValues kWeightedPairs[9] = {
+    nullptr, weighted_values<1, 2>, weighted_values<2, 2>, weighted_values<3, 2>,
+    weighted_values<4, 2>, weighted_values<5, 2>, weighted_values<6, 2>, weighted_values<7, 2>,
+    weighted_values<8, 2>};
+static const WeightedValues kWeightedSingles[9] = {
+    nullptr, weighted_values<1, 1>, weighted_values<2, 1>, weighted_values<3, 1>,
+    weighted_values<4, 1>, weighted_values<5, 1>, weighted_values<6, 1>, weighted_values<7, 1>,
+    weighted_values<8, 1>};
+
+// bf16 attention over the paged cache for tiles of query rows, head_dim a multiple of 16 (at
+// most 256). Tile i = tiles[i] = (request, first row, rows, keys of its first row): row j of the
+// tile attends the first len0 + j keys of its sequence (the causal rule of a prefill chunk; a
+// decode row is a tile of one). One task per (tile, kv head) serves the tile's rows x G query
+// heads together, so each K/V row is read once per task: scores 16 keys at a time (dpbf16 where
+// the CPU has it, then a transpose-reduce), a vectorized softmax over each query's own keys, and
+// the weighted sum of values with the accumulators in registers.
+static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
+                              const at::BFloat16* vc, const int32_t* table,
+                              const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
+                              int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                              int64_t table_stride, float scale, int64_t window,
+                              float soft_cap) {
+  const int64_t group = hq / hkv, chunks = d / 16, words = (d + 31) / 32;
+  at::parallel_for(0, num_tiles * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, inv;
+    std::vector<int64_t> offs, lo, hi;
+    std::vector<__m512> part;
+    std::vector<__m512i> qw;
+    std::vector<at::BFloat16*> outs;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t* tile = tiles + 4 * (task / hkv);
+      const int64_t h = task % hkv;
+      const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
+      const int64_t nq = rows * group;  // query j * group + g: row row0 + j, head h * group + g
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
+      const int32_t* blocks = table + r * table_stride;
+      offs.resize(n);
+      for (int64_t t = 0, j = first / bs, o = first % bs; t < n; ++j, o = 0)
+        for (const int64_t base = static_cast<int64_t>(blocks[j]) * bs; o < bs && t < n; ++o)
+          offs[t++] = ((base + o) * hkv + h) * d;
+      lo.resize(nq);
+      hi.resize(nq);
+      outs.resize(nq);
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t len = len0 + j;
+        for (int64_t g = 0; g < group; ++g) {
+          lo[j * group + g] = (window > 0 ? std::max<int64_t>(0, len - window) : 0) - first;
+          hi[j * group + g] = len - first;
+          outs[j * group + g] = out + ((row0 + j) * hq + h * group + g) * d;
+        }
+      }
+#ifdef __AVX512BF16__
+      // bf16 pairs straight into dpbf16 (exact products, float32 sums); scaled afterwards
+      qw.resize(nq * words);
+      for (int64_t j = 0; j < nq; ++j) {
+        const at::BFloat16* qj = q + ((row0 + j / group) * hq + h * group + j % group) * d;
+        for (int64_t w = 0; w < words; ++w)
+          qw[j * words + w] = _mm512_maskz_loadu_epi16(word_mask(d - 32 * w), qj + 32 * w);
+      }
+      const float qk_scale = scale;
+#else
+      qf.resize(nq * d);
+      for (int64_t j = 0; j < nq; ++j) {
+        const at::BFloat16* qj = q + ((row0 + j / group) * hq + h * group + j % group) * d;
+        for (int64_t i = 0; i < d; i += 16)
+          _mm512_storeu_ps(&qf[j * d + i], _mm512_mul_ps(load_bf16(qj + i), _mm512_set1_ps(scale)));
+      }
+      const float qk_scale = 1.f;
+#endif
+      scores.resize(nq * n);
+      part.resize(nq * 16);
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t cnt = std::min<int64_t>(16, n - t0);
+        for (int64_t i = 0; i < cnt; ++i) {
+          const at::BFloat16* k = kc + offs[t0 + i];
+          if (t0 + i + 16 < n) {  // rows sit in scattered blocks: fetch the next group's
+            const char* ahead = reinterpret_cast<const char*>(kc + offs[t0 + i + 16]);
+            for (int64_t l = 0; l < 2 * d; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+          }
+#ifdef __AVX512BF16__
+          __m512i kw[8];
+          for (int64_t w = 0; w < words; ++w)
+            kw[w] = _mm512_maskz_loadu_epi16(word_mask(d - 32 * w), k + 32 * w);
+          for (int64_t j = 0; j < nq; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t w = 0; w < words; ++w)
+              a = _mm512_dpbf16_ps(a, (__m512bh)qw[j * words + w], (__m512bh)kw[w]);
+            part[j * 16 + i] = a;
+          }
+#else
+          __m512 kv[16];
+          for (int64_t c = 0; c < chunks; ++c) kv[c] = load_bf16(k + 16 * c);
+          for (int64_t j = 0; j < nq; ++j) {
+            const float* qj = &qf[j * d];
+            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
+            for (int64_t c = 1; c < chunks; ++c)
+              a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), kv[c], a);
+            part[j * 16 + i] = a;
+          }
+#endif
+        }
+        for (int64_t j = 0; j < nq; ++j) {
+          if (t0 >= hi[j]) continue;  // keys this query does not see (scores stay unset)
+          __m512 sc = _mm512_mul_ps(sum16(&part[j * 16]), _mm512_set1_ps(qk_scale));
+          if (soft_cap > 0.f) {
+            alignas(64) float tmp[16];
+            _mm512_store_ps(tmp, sc);
+            for (float& x : tmp) x = soft_cap * std::tanh(x / soft_cap);
+            sc = _mm512_load_ps(tmp);
+          }
+          _mm512_mask_storeu_ps(&scores[j * n + t0], tail_mask(cnt), sc);
+        }
+      }
+      // Softmax of each query over its keys [lo, hi); probability 0 elsewhere in the tile.
+      inv.resize(nq);
+      for (int64_t j = 0; j < nq; ++j) {
+        float* sj = &scores[j * n];
+        const int64_t a = lo[j], e = hi[j];
+        std::fill(sj, sj + a, 0.f);
+        std::fill(sj + e, sj + n, 0.f);
+        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t t = a; t < e; t += 16)
+          mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), sj + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = a; t < e; t += 16) {
+          const __mmask16 tm = tail_mask(e - t);
+          const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tm, sj + t), m);
+          const __m512 ex = _mm512_maskz_mov_ps(tm, exp16(x));
+          _mm512_mask_storeu_ps(sj + t, tm, ex);
+          sum = _mm512_add_ps(sum, ex);
+        }
+        inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
+        const int64_t nt = std::min(kQueryTile, nq - j0);
+        // keys past the last query's range carry probability 0 for all: skip them
+        const int64_t nk = *std::max_element(hi.begin() + j0, hi.begin() + j0 + nt);
+        for (int64_t c = 0; c < chunks; c += 2)
+          (c + 1 < chunks ? kWeightedPairs : kWeightedSingles)[nt](
+              vc, offs.data(), nk, &scores[j0 * n], n, c, d, &inv[j0], &outs[j0]);
+      }
+    }
+  });
+}
+#endif
+
+// Whether attend_rows runs here for q [T, Hq, D] (bf16, head_dim % 16 == 0, AVX-512).
+bool rows_supported(torch::Tensor q) {
+#ifdef ASERVE_AVX512
+  return q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0 &&
+         q.size(2) <= 256;
+#else
+  return false;
+#endif
+}
+
+// Attention for every row of the tiles (see attend_tiles_bf16): q [T, Hq, D] contiguous, caches
+// [NB, BS, Hkv, D], block_table [R, M] int32, tiles [N, 4] int64, out [T, Hq, D].
+void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor block_table, torch::Tensor tiles, torch::Tensor out, double scale,
+                 int64_t window, double soft_cap) {
+  TORCH_CHECK(rows_supported(q), "attend_rows: bf16 q [T, Hq, D] with D % 16 == 0 (D <= 256)");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              out.is_contiguous() && block_table.is_contiguous() && tiles.is_contiguous(),
+              "contiguous tensors needed");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && tiles.scalar_type() == at::kLong,
+              "int32 block_table and int64 tiles needed");
+#ifdef ASERVE_AVX512
+  attend_tiles_bf16(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                    v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
+                    tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
+                    q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
+                    static_cast<float>(scale), window, static_cast<float>(soft_cap));
+#endif
+}
+
+// k_cache/v_cache rows [NB * BS, Hkv, D] at slot s = key/value [T, Hkv, D] row t for every
+// slot_mapping[t] = s >= 0 (rows may be strided; each row's Hkv * D values contiguous).
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+              torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+              value.scalar_type() == v_cache.scalar_type(), "store_kv: cache dtype mismatch");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "store_kv: rows of contiguous heads and int64 slots needed");
+  const int64_t num = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t bytes = row * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(key.data_ptr());
+  const char* vs = static_cast<const char*>(value.data_ptr());
+  const int64_t kstride = key.stride(0) * key.element_size();
+  const int64_t vstride = value.stride(0) * value.element_size();
+  const int64_t capacity = k_cache.numel() / row;  // slots in the cache
+  for (int64_t t = 0; t < num; ++t) {
+    if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < capacity, "store_kv: slot ", slots[t], " past the cache's ", capacity);
+    std::memcpy(kd + slots[t] * bytes, ks + t * kstride, bytes);
+    std::memcpy(vd + slots[t] * bytes, vs + t * vstride, bytes);
+  }
+}
+"""
+
+FUNCTIONS = ["attend_rows", "rows_supported", "store_kv"]
+
+
+ROW_TILE = 8  # query rows of one request that share a task (and each K/V row read)
+# Chunks longer than this go to SDPA over the chunk (a GEMM-based kernel wins on long prompts);
+# shorter ones, decode rows and chunks with cached context run in the row-tile kernel.
+LONG_CHUNK = 1024
+
+
+def plan_tiles(starts: np.ndarray, seq_lens: np.ndarray, row_tile: int = ROW_TILE,
+               long_chunk: int = LONG_CHUNK) -> tuple[torch.Tensor, list[int]]:
+    """Row tiles of one step for `attend_rows`: [N, 4] int64 (request, first row, rows, keys of
+    the first row), and the requests whose chunk is left to SDPA (longer than `long_chunk`)."""
+    q_lens = np.diff(starts).astype(np.int64)
+    long_reqs = np.flatnonzero(q_lens > long_chunk)
+    tiled = np.where(q_lens > long_chunk, 0, q_lens)
+    num_tiles = -(-tiled // row_tile)
+    req = np.repeat(np.arange(len(q_lens)), num_tiles)
+    k = np.arange(len(req)) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)
+    tiles = np.stack([req, starts[:-1][req] + k * row_tile,
+                      np.minimum(row_tile, q_lens[req] - k * row_tile),
+                      seq_lens[req] - q_lens[req] + 1 + k * row_tile], axis=1)
+    return torch.from_numpy(tiles.astype(np.int64)), long_reqs.tolist()
+
+
+class RowPlan(NamedTuple):
+    """What every layer of a step shares: the row tiles, the long chunks, host copies of the
+    batch layout, and the kernel's dtypes of block table and slots."""
+
+    tiles: torch.Tensor  # [N, 4] int64, see plan_tiles
+    long_reqs: list[int]
+    starts: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor  # int32, contiguous
+    slot_mapping: torch.Tensor  # int64, contiguous
+
+    @classmethod
+    def of(cls, m) -> RowPlan:
+        """The plan of a step's `AttentionMetadata`."""
+        starts = np.asarray(m.query_start_loc_cpu if m.query_start_loc_cpu is not None
+                            else m.query_start_loc.tolist(), dtype=np.int64)
+        lens = np.asarray(m.seq_lens_cpu if m.seq_lens_cpu is not None
+                          else m.seq_lens.tolist(), dtype=np.int64)
+        tiles, long_reqs = plan_tiles(starts, lens)
+        return cls(tiles, long_reqs, starts.tolist(), lens.tolist(),
+                   m.block_table.to(torch.int32).contiguous(),
+                   m.slot_mapping.to(torch.int64).contiguous())
+
+
+def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, metadata,
+                          scale: float, sliding_window: int | None = None,
+                          soft_cap: float | None = None) -> torch.Tensor:
+    """Store this step's K/V and attend, for every row of the batch, in two C++ calls.
+
+    q [T, Hq, D], key/value [T, Hkv, D] (rows may be strided), caches [NB, BS, Hkv, D];
+    `metadata` is the step's `AttentionMetadata`: the row tiles are planned on the first layer's
+    call and kept on it (`metadata.kernel_plan`) for the others. Where the row-tile kernel does
+    not apply (no AVX-512 build, fp16, head_dim % 16) this is `store_kv_ref` +
+    `paged_attention_cpu`.
+    """
+    m = metadata
+    module = cpu_simd.load()
+    if module is None or not module.rows_supported(q):
+        from aserve.kernels.store_kv import store_kv_ref
+
+        store_kv_ref(key, value, k_cache, v_cache, m.slot_mapping)
+        return paged_attention_cpu(
+            q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table, scale,
+            sliding_window, soft_cap, query_start_loc_cpu=m.query_start_loc_cpu,
+            seq_lens_cpu=m.seq_lens_cpu, key=key, value=value)
+    if m.kernel_plan is None:
+        m.kernel_plan = RowPlan.of(m)
+    plan: RowPlan = m.kernel_plan
+    starts, lens, block_table = plan.starts, plan.seq_lens, plan.block_table
+    module.store_kv(key, value, k_cache, v_cache, plan.slot_mapping)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if starts[-1] < q.shape[0]:  # padding rows past the last request: defined, never read
+        out[starts[-1]:] = 0
+    if len(plan.tiles):
+        module.attend_rows(q, k_cache, v_cache, block_table, plan.tiles, out, scale,
+                           sliding_window or 0, soft_cap or 0.0)
+    if plan.long_reqs:
+        attend_chunks(q, k_cache, v_cache, starts, lens, block_table, scale, sliding_window,
+                      soft_cap, out, key, value, reqs=plan.long_reqs)
+    return out
