@@ -9,6 +9,7 @@ import math
 import random
 import re
 import socket
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -65,3 +66,16 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def best_time(fn, min_repeats: int = 5, budget_s: float = 0.5) -> float:
+    """Best seconds of one call of `fn` (after a warm-up call), of at least `min_repeats` calls
+    and as many more as fit in `budget_s` (up to 200): on a busy machine a call stalls now and
+    then, and the best one is the one that did not."""
+    fn()
+    best, start, repeats = float("inf"), time.perf_counter(), 0
+    while repeats < min_repeats or (time.perf_counter() - start < budget_s and repeats < 200):
+        t0 = time.perf_counter()
+        fn()
+        best, repeats = min(best, time.perf_counter() - t0), repeats + 1
+    return best

@@ -16,23 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import best_time  # noqa: E402
 from matmul_limit import LinearShapes  # noqa: E402
-
-
-def best_time(fn, min_repeats: int = 5, budget_s: float = 0.5) -> float:
-    fn()
-    best, start, repeats = float("inf"), time.perf_counter(), 0
-    while repeats < min_repeats or (time.perf_counter() - start < budget_s and repeats < 200):
-        t0 = time.perf_counter()
-        fn()
-        best, repeats = min(best, time.perf_counter() - t0), repeats + 1
-    return best
 
 
 def main() -> int:

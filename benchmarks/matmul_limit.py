@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from common import best_time
 
 
 @dataclass(frozen=True)
@@ -50,25 +51,21 @@ class LinearShapes:
 
 def time_gemms(shapes: tuple[tuple[int, int], ...], rows: int, min_repeats: int = 5,
                budget_s: float = 0.5) -> float:
-    """Best seconds for one pass of bf16 GEMMs [rows, k] @ [k, n] over `shapes`, of at least
-    `min_repeats` passes and as many more as fit in `budget_s` (up to 200): on a busy machine
-    small GEMMs stall on their threads' barriers now and then, and the best pass is the one
-    that did not."""
+    """Best seconds for one pass of bf16 GEMMs [rows, k] @ [k, n] over `shapes` (`best_time`:
+    small GEMMs on a busy machine stall on their threads' barriers now and then)."""
     import torch
 
     with torch.inference_mode():
         pairs = [(torch.randn(rows, k, dtype=torch.bfloat16),
                   torch.randn(n, k, dtype=torch.bfloat16)) for k, n in shapes]
-        for x, w in pairs * 2:  # warm-up
+        for x, w in pairs:  # a second warm-up pass; best_time makes the first
             torch.nn.functional.linear(x, w)
-        best, start, repeats = float("inf"), time.perf_counter(), 0
-        while repeats < min_repeats or (time.perf_counter() - start < budget_s
-                                        and repeats < 200):
-            t0 = time.perf_counter()
+
+        def one_pass() -> None:
             for x, w in pairs:
                 torch.nn.functional.linear(x, w)
-            best, repeats = min(best, time.perf_counter() - t0), repeats + 1
-    return best
+
+        return best_time(one_pass, min_repeats, budget_s)
 
 
 def matmul_limit(shapes: LinearShapes, num_requests: int, input_len: int, output_len: int,
