@@ -43,6 +43,10 @@ HEADER = r"""
 """
 
 PRELUDE = r"""
+// Fully unrolls the loop it precedes: loops over compile-time register tiles then keep their
+// arrays in registers (GCC otherwise keeps some in memory, storing them every iteration).
+#define ASERVE_UNROLL _Pragma("GCC unroll 16")
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define ASERVE_AVX512 1
 #include <immintrin.h>
