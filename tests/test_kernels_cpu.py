@@ -215,6 +215,26 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=0.02)
 
 
+@pytest.mark.parametrize("rows,d,in_features", [
+    (1, 1536, 576), (9, 50, 128), (64, 1536, 576), (70, 24, 34), (100, 40, 64)])
+def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, d, in_features):
+    from aserve.kernels import cpu_fused, cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no AVX512-BF16 build here")
+    gen = torch.Generator().manual_seed(rows + d)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = (torch.randn(2 * d, in_features, generator=gen) * 0.1).bfloat16()  # [gate; up]
+    plain, gated = cpu_gemm.PackedWeight(w), cpu_gemm.PackedWeight(w, gated=True)
+    gate_up = plain.linear(x)
+    assert torch.equal(gated.linear(x), gate_up)  # the gated panels un-permuted on store
+    fused = gated.silu_and_mul(x)
+    assert fused.shape == (rows, d)
+    assert torch.equal(fused, cpu_fused.silu_and_mul(gate_up))
+    # and what that is: torch's bf16 silu(gate) * up
+    assert torch.equal(fused, cpu_fused.silu_and_mul_ref(gate_up))
+
+
 def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
     from aserve.kernels import cpu_fused
 

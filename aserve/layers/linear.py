@@ -46,9 +46,10 @@ def can_prepack(weight: torch.Tensor) -> bool:
                                           and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | torch.Tensor:
+def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | torch.Tensor:
+    """`gated`: [gate; up] packed for `PackedWeight.silu_and_mul` (aserve's kernel only)."""
     if PackedWeight.supports(weight):
-        return PackedWeight(weight)
+        return PackedWeight(weight, gated)
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: a batch-size hint
 
 
@@ -73,6 +74,7 @@ class LinearBase(nn.Module):
         self.bias = _param(output_size, loader=self.weight_loader) if bias else None
         # see `prepack_linear_weights`
         self.packed_weight: PackedWeight | torch.Tensor | None = None
+        self.pack_gated = False  # pack [gate; up] for a fused silu_and_mul (see Merged...)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -83,7 +85,7 @@ class LinearBase(nn.Module):
 
     def prepack(self) -> None:
         """Keep the weight only in the packed GEMM layout (after loading; CPU bf16)."""
-        self.packed_weight = pack_weight(self.weight.data)
+        self.packed_weight = pack_weight(self.weight.data, self.pack_gated)
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
 
@@ -106,11 +108,25 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs packed in one weight (e.g. gate and up projections)."""
+    """Several column-parallel outputs packed in one weight (e.g. gate and up projections).
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    `silu_gated`: [gate, up] of a SiLU MLP; where aserve's CPU GEMM takes the weight, it is
+    packed so that `silu_and_mul(x)` applies the activation in the GEMM's epilogue.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 silu_gated: bool = False) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias)
+        self.pack_gated = (silu_gated and not bias and len(self.output_sizes) == 2
+                           and self.output_sizes[0] == self.output_sizes[1])
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up [T, d] out of the GEMM, where the weight is packed gated; else None
+        (the caller applies its activation to `forward`'s [gate | up])."""
+        if isinstance(self.packed_weight, PackedWeight) and self.packed_weight.gated:
+            return self.packed_weight.silu_and_mul(x)
+        return None
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if not isinstance(shard_id, int):

@@ -56,12 +56,15 @@ class LlamaMLP(nn.Module):
         super().__init__()
         size = arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
-                                                       bias=arch.mlp_bias)
+                                                       bias=arch.mlp_bias, silu_gated=True)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=arch.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+        act = self.gate_up_proj.silu_and_mul(x)  # fused into the GEMM where it can be
+        if act is None:
+            act = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(act)  # [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
