@@ -191,7 +191,11 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
   const int64_t group = hq / hkv, words = (d + 31) / 32;
   __mmask32 masks[8];
   for (int64_t w = 0; w < words; ++w) masks[w] = word_mask(d - 32 * w);
-  at::parallel_for(0, num_tiles * hkv, 1, [&](int64_t begin, int64_t end) {
+  // Tasks differ in cost (a prefill tile against a decode row): threads claim them one at a
+  // time, in the order given (plan_tiles puts the costly ones first).
+  const int64_t num_tasks = num_tiles * hkv;
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf, scores, inv;
     std::vector<int64_t> offs, lo, hi;
     std::vector<__m512i> qw;
@@ -209,9 +213,11 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         fetch_row(vc + off, d);
       }
     };
-    if (begin < end) fetch_first(begin);
-    for (int64_t task = begin; task < end; ++task) {
-      if (task + 1 < end) fetch_first(task + 1);
+    int64_t task = claimed.fetch_add(1);
+    if (task < num_tasks) fetch_first(task);
+    for (int64_t following; task < num_tasks; task = following) {
+      following = claimed.fetch_add(1);
+      if (following < num_tasks) fetch_first(following);
       const int64_t* tile = tiles + 4 * (task / hkv);
       const int64_t h = task % hkv;
       const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
@@ -383,7 +389,9 @@ LONG_CHUNK = 1024
 def plan_tiles(starts: np.ndarray, seq_lens: np.ndarray, row_tile: int = ROW_TILE,
                long_chunk: int = LONG_CHUNK) -> tuple[torch.Tensor, list[int]]:
     """Row tiles of one step for `attend_rows`: [N, 4] int64 (request, first row, rows, keys of
-    the first row), and the requests whose chunk is left to SDPA (longer than `long_chunk`)."""
+    the first row), the costliest first (rows x keys: threads claim them in this order, so the
+    big ones do not come last), and the requests whose chunk is left to SDPA (longer than
+    `long_chunk`)."""
     q_lens = np.diff(starts).astype(np.int64)
     long_reqs = np.flatnonzero(q_lens > long_chunk)
     tiled = np.where(q_lens > long_chunk, 0, q_lens)
@@ -393,6 +401,7 @@ def plan_tiles(starts: np.ndarray, seq_lens: np.ndarray, row_tile: int = ROW_TIL
     tiles = np.stack([req, starts[:-1][req] + k * row_tile,
                       np.minimum(row_tile, q_lens[req] - k * row_tile),
                       seq_lens[req] - q_lens[req] + 1 + k * row_tile], axis=1)
+    tiles = tiles[np.argsort(-tiles[:, 2] * (tiles[:, 3] + tiles[:, 2]), kind="stable")]
     return torch.from_numpy(tiles.astype(np.int64)), long_reqs.tolist()
 
 
