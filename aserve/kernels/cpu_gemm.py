@@ -11,7 +11,7 @@ exact, sums in float32), then adds the bias and rounds to bf16 once. Threads spl
 64-row block) tasks, panel-major, so a thread reuses a panel from L2 across row blocks.
 
 A gated weight (an MLP's [gate; up]) is packed with 24 gate rows and the same 24 up rows in each
-panel, so a tile holds both halves of 24 outputs and its epilogue applies silu(gate) * up: the
+panel (`panel_lane`), so a tile holds both halves of 24 outputs and its epilogue applies silu(gate) * up: the
 activation costs no pass over memory of its own, bit-equal to the GEMM then `silu_and_mul`.
 
 Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) against oneDNN's prepacked bf16
@@ -48,15 +48,17 @@ bool gemm_supported() {
 #endif
 }
 
-// Panel lane of weight row n. Plain: n = 48 p + lane. Gated ([gate; up], d rows each): a panel
-// holds 24 gate rows and the same 24 up rows, so that its tile has both halves of 24 outputs.
+// Panel lane of weight row n. Plain: n = 48 p + lane. Gated ([gate; up], d rows each): panel p
+// holds outputs [24 p, 24 p + 24) as vectors (gate 0..15), (up 0..15), (gate 16..23 | up
+// 16..23), so that the tile's epilogue pairs gate and up sums without moving them in memory.
 static inline void panel_lane(int64_t n, bool gated, int64_t d, int64_t& p, int64_t& lane) {
   if (!gated) {
     p = n / kPanel, lane = n % kPanel;
-  } else {
-    const int64_t half = n / d, c = n % d;
-    p = c / kHalf, lane = half * kHalf + c % kHalf;
+    return;
   }
+  const int64_t half = n / d, c = n % d, o = c % kHalf;
+  p = c / kHalf;
+  lane = o < 16 ? 16 * half + o : 32 + 8 * half + (o - 16);
 }
 
 // w [N, K] bf16 (K even) -> [panels, K / 2, 3, 16, 2], zero where no row lands. `gated`: w is
@@ -99,20 +101,21 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], at::BFloat16* c, int64_t 
     }
     return;
   }
-  alignas(64) float sums[kPanel];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < kVecs; ++v) _mm512_store_ps(sums + 16 * v, acc[r][v]);
-    for (int64_t i = 0; i < cols; i += 16) {
-      const __mmask16 m = tail_mask(cols - i);  // cols <= 24: the second vector is partial
-      const __m512 g = round_bf16(_mm512_maskz_loadu_ps(m, sums + i));
-      const __m512 u = round_bf16(_mm512_maskz_loadu_ps(m, sums + kHalf + i));
+    at::BFloat16* row = c + r * ldc;
+    // outputs 0..15: vectors 0 and 1; 16..23: the halves of vector 2 (up's swapped down)
+    const __m512 gate[2] = {acc[r][0], acc[r][2]};
+    const __m512 up[2] = {acc[r][1], _mm512_shuffle_f32x4(acc[r][2], acc[r][2], 0x4E)};
+    for (int i = 0; i < 2 && 16 * i < cols; ++i) {
+      const __mmask16 m = tail_mask(std::min<int64_t>(cols - 16 * i, 16 - 8 * i));
+      const __m512 g = round_bf16(gate[i]), u = round_bf16(up[i]);
       if (E == kGatedSplit) {
-        store_bf16(c + r * ldc + i, g, m);
-        store_bf16(c + r * ldc + d + i, u, m);
+        store_bf16(row + 16 * i, g, m);
+        store_bf16(row + d + 16 * i, u, m);
       } else {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
         const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(c + r * ldc + i, _mm512_mul_ps(act, u), m);
+        store_bf16(row + 16 * i, _mm512_mul_ps(act, u), m);
       }
     }
   }
