@@ -66,6 +66,17 @@ static inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+#ifdef __AVX512BF16__
+// Round-to-nearest-even float -> bf16, one vcvtneps2bf16; NaN -> 0x7FC0 as torch rounds it.
+static inline __m256i bf16_words(__m512 x) {
+  const __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm256_mask_mov_epi16(r, nan, _mm256_set1_epi16(0x7FC0));
+}
+
+// The same bits in the low half of each 32-bit lane.
+static inline __m512i bf16_bits(__m512 x) { return _mm512_cvtepu16_epi32(bf16_words(x)); }
+#else
 // Round-to-nearest-even float -> bf16 bits in the low half of each 32-bit lane.
 static inline __m512i bf16_bits(__m512 x) {
   const __m512i i = _mm512_castps_si512(x);
@@ -76,16 +87,19 @@ static inline __m512i bf16_bits(__m512 x) {
   return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
 }
 
+static inline __m256i bf16_words(__m512 x) { return _mm512_cvtepi32_epi16(bf16_bits(x)); }
+#endif
+
 static inline __m512 round_bf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16));
 }
 
 static inline void store_bf16(at::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_words(x));
 }
 
 static inline void store_bf16(at::BFloat16* p, __m512 x, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits(x)));
+  _mm256_mask_storeu_epi16(p, m, bf16_words(x));
 }
 
 // The first min(n, 32) bf16 lanes of a 512-bit word.
