@@ -83,8 +83,9 @@ torch::Tensor gemm_pack(torch::Tensor w, bool gated) {
   return out;
 }
 
-#ifdef ASERVE_GEMM
 enum Epilogue { kPlain, kGatedSplit, kGatedSilu };
+
+#ifdef ASERVE_GEMM
 
 // The R x 48 float sums of a tile into c: kPlain, columns [0, cols) (+ bias); a gated panel's
 // 24 gate and 24 up sums of outputs [0, cols): kGatedSplit stores both as bf16 (up at column
