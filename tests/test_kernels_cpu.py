@@ -89,6 +89,27 @@ def test_fused_rope_on_strided_rows_is_bit_equal(rotary_dim):
     assert torch.equal(q, want)
 
 
+def test_cpu_rope_op_on_q_and_k_of_one_qkv_row_equals_each_alone():
+    from aserve.backends.fused import rope_op
+    from aserve.kernels import cpu_fused
+    from aserve.layers.rotary import get_rope
+
+    if not cpu_fused.load():
+        pytest.skip("no C++ toolchain")
+    rope = get_rope(64, 64, 256, 10000.0, None, torch.bfloat16)
+    positions = torch.randint(0, 256, (21,))
+    qkv = torch.randn(21, 9 * 64 + 2 * 3 * 64).bfloat16()
+    q, k, _ = qkv.split([576, 192, 192], dim=-1)  # adjacent: one pass over both
+    q2, k2 = q.clone(), k.clone()  # apart: a pass each
+    op = rope_op(q)
+    op(positions, q, k, rope.cos_cache, rope.sin_cache, 64, 64)
+    op(positions, q2, k2, rope.cos_cache, rope.sin_cache, 64, 64)
+    assert torch.equal(q, q2) and torch.equal(k, k2)
+    want_v = qkv[:, 768:].clone()  # v, right after k in the row, is left alone
+    op(positions, q, k, rope.cos_cache, rope.sin_cache, 64, 64)
+    assert torch.equal(qkv[:, 768:], want_v)
+
+
 def test_fused_silu_and_mul_is_bit_equal():
     from aserve.kernels import cpu_fused
 
@@ -213,6 +234,23 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
     got = cpu_gemm.PackedWeight(w).linear(x)
     assert got.shape == (3, 5, 40)
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 49152, 576), (9, 100, 64), (70, 50, 34)])
+def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in_features):
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no AVX512-BF16 build here")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    w = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16()
+    packed = cpu_gemm.PackedWeight(w)
+    for bias in (None, b):
+        got = packed.linear_float(x, bias)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, packed.linear(x, bias).float())
 
 
 @pytest.mark.parametrize("rows,d,in_features", [

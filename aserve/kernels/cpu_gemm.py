@@ -30,7 +30,8 @@ import torch
 from aserve.kernels import cpu_simd
 
 PANEL = 48  # output features per panel (3 vectors of 16)
-EPILOGUE_PLAIN, EPILOGUE_GATED_SPLIT, EPILOGUE_GATED_SILU = 0, 1, 2  # gemm_linear's epilogues
+# gemm_linear's epilogues
+EPILOGUE_PLAIN, EPILOGUE_GATED_SPLIT, EPILOGUE_GATED_SILU, EPILOGUE_FLOAT = 0, 1, 2, 3
 
 SOURCE = r"""
 #if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
@@ -83,7 +84,7 @@ torch::Tensor gemm_pack(torch::Tensor w, bool gated) {
   return out;
 }
 
-enum Epilogue { kPlain, kGatedSplit, kGatedSilu };
+enum Epilogue { kPlain, kGatedSplit, kGatedSilu, kPlainFloat };
 
 #ifdef ASERVE_GEMM
 
@@ -92,16 +93,23 @@ enum Epilogue { kPlain, kGatedSplit, kGatedSilu };
 // d), kGatedSilu stores bf16(bf16(silu(g)) * u) with g, u rounded to bf16 first: the
 // arithmetic of storing gate_up and applying `silu_and_mul`, bit for bit.
 template <int R, int E>
-static inline void store_tile(__m512 (&acc)[R][kVecs], at::BFloat16* c, int64_t ldc,
+static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
                               int64_t cols, int64_t d, const at::BFloat16* bias) {
-  if (E == kPlain) {
+  if (E == kPlain || E == kPlainFloat) {
     for (int v = 0; v < kVecs && 16 * v < cols; ++v) {
       const __mmask16 m = tail_mask(cols - 16 * v);
       const __m512 bv = bias != nullptr ? load_bf16(bias + 16 * v, m) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) store_bf16(c + r * ldc + 16 * v, _mm512_add_ps(acc[r][v], bv), m);
+      for (int r = 0; r < R; ++r) {
+        const __m512 y = _mm512_add_ps(acc[r][v], bv);
+        if (E == kPlain)
+          store_bf16(static_cast<at::BFloat16*>(out) + r * ldc + 16 * v, y, m);
+        else  // the bf16 value, kept as float32
+          _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldc + 16 * v, m, round_bf16(y));
+      }
     }
     return;
   }
+  at::BFloat16* c = static_cast<at::BFloat16*>(out);
   for (int r = 0; r < R; ++r) {
     at::BFloat16* row = c + r * ldc;
     // outputs 0..15: vectors 0 and 1; 16..23: the halves of vector 2 (up's swapped down)
@@ -125,7 +133,7 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], at::BFloat16* c, int64_t 
 // c[0:R, 0:cols] = a[0:R, :] @ panel, stored by epilogue E; R <= 8 rows of a (stride lda).
 template <int R, int E>
 static void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t K2,
-                 at::BFloat16* c, int64_t ldc, int64_t cols, int64_t d,
+                 void* c, int64_t ldc, int64_t cols, int64_t d,
                  const at::BFloat16* bias) {
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
@@ -145,28 +153,29 @@ static void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, 
   store_tile<R, E>(acc, c, ldc, cols, d, bias);
 }
 
-using Tile = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, at::BFloat16*,
-                      int64_t, int64_t, int64_t, const at::BFloat16*);
+using Tile = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, void*, int64_t,
+                      int64_t, int64_t, const at::BFloat16*);
 #define ASERVE_TILES(E)                                                              \
   {nullptr, tile<1, E>, tile<2, E>, tile<3, E>, tile<4, E>, tile<5, E>, tile<6, E>,   \
    tile<7, E>, tile<8, E>}
-static const Tile kTiles[3][kRows + 1] = {ASERVE_TILES(kPlain), ASERVE_TILES(kGatedSplit),
-                                          ASERVE_TILES(kGatedSilu)};
+static const Tile kTiles[4][kRows + 1] = {ASERVE_TILES(kPlain), ASERVE_TILES(kGatedSplit),
+                                          ASERVE_TILES(kGatedSilu), ASERVE_TILES(kPlainFloat)};
 #undef ASERVE_TILES
 #endif
 
 // y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
-// y [M, N] (+ bias [N]); for a gated pack, 1 (kGatedSplit) y [M, N] = [gate | up], or
-// 2 (kGatedSilu) y [M, N / 2] = silu(gate) * up.
+// y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits); for a
+// gated pack, 1 (kGatedSplit) y [M, N] = [gate | up], or 2 (kGatedSilu) y [M, N / 2] =
+// silu(gate) * up.
 torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias, int64_t epilogue) {
   TORCH_CHECK(gemm_supported(), "cpu_gemm.linear: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "cpu_gemm.linear: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 2 && (epilogue == 0 || N % 2 == 0),
-              "cpu_gemm.linear: epilogue 0, or 1 / 2 for a gated weight");
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 3 && (epilogue % 3 == 0 || N % 2 == 0),
+              "cpu_gemm.linear: epilogue 0 / 3, or 1 / 2 for a gated weight");
   const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, panels = packed.size(0);
-  const bool gated = epilogue != 0;
+  const bool gated = epilogue == kGatedSplit || epilogue == kGatedSilu;
   const int64_t d = N / 2, width = gated ? kHalf : kPanel;  // outputs per panel
   TORCH_CHECK(packed.size(1) == K2 && panels * width >= (gated ? d : N),
               "cpu_gemm.linear: shapes");
@@ -174,12 +183,14 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                                     bias->is_contiguous() && bias->numel() == N),
               "cpu_gemm.linear: a contiguous bf16 bias of N values (plain epilogue only)");
   const int64_t ldc = epilogue == kGatedSilu ? d : N;
-  auto y = torch::empty({M, ldc}, x.options());
+  auto y = torch::empty({M, ldc}, x.options().dtype(epilogue == kPlainFloat ? at::kFloat
+                                                                             : at::kBFloat16));
 #ifdef ASERVE_GEMM
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* c = y.data_ptr<at::BFloat16>();
+  char* c = static_cast<char*>(y.data_ptr());
+  const int64_t item = y.element_size();
   const Tile* tiles = kTiles[epilogue];
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
@@ -189,7 +200,7 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
       const at::BFloat16* panel = w + p * K2 * kPanel * 2;
       for (int64_t m = m0; m < std::min(M, m0 + kRowBlock); m += kRows) {
         const int64_t rows = std::min(kRows, M - m);
-        tiles[rows](a + m * K, K, panel, K2, c + m * ldc + p * width, ldc, cols, d,
+        tiles[rows](a + m * K, K, panel, K2, c + (m * ldc + p * width) * item, ldc, cols, d,
                     b == nullptr ? nullptr : b + p * kPanel);
       }
     }
@@ -234,6 +245,11 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N]."""
         return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)
+
+    def linear_float(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(x, bias).float()` in one pass (the bf16 values, stored as float32)."""
+        assert not self.gated, "a gated weight has no plain float output"
+        return self._apply(x, bias, EPILOGUE_FLOAT)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """Gated weight: x [..., K] bf16 -> silu(gate) * up, [..., N / 2]."""

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from aserve.kernels.cpu_gemm import PackedWeight
 from aserve.layers.linear import linear, pack_weight
 
 
@@ -63,6 +64,11 @@ class LMHead(VocabEmbedding):
         self.packed_weight = pack_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.packed_weight)  # [N, rows_per_rank]
+        """[N, hidden] -> [N, vocab_size] logits: the weight's dtype, or (aserve's CPU GEMM) the
+        same values already in float32, written once instead of rounded then widened."""
+        if isinstance(self.packed_weight, PackedWeight):
+            logits = self.packed_weight.linear_float(hidden)  # [N, rows_per_rank] float32
+        else:
+            logits = linear(hidden, self.weight, None, self.packed_weight)  # [N, rows_per_rank]
         logits = tp_all_gather(logits, dim=-1)  # [N, rows_per_rank * tp_size]
         return logits[..., : self.num_embeddings]  # [N, vocab_size]
