@@ -101,10 +101,13 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
       const __m512 bv = bias != nullptr ? load_bf16(bias + 16 * v, m) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m512 y = _mm512_add_ps(acc[r][v], bv);
+        float* f = static_cast<float*>(out) + r * ldc + 16 * v;
         if (E == kPlain)
           store_bf16(static_cast<at::BFloat16*>(out) + r * ldc + 16 * v, y, m);
+        else if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(f) & 63) == 0)
+          _mm512_stream_ps(f, round_bf16(y));  // whole lines: no read for ownership
         else  // the bf16 value, kept as float32
-          _mm512_mask_storeu_ps(static_cast<float*>(out) + r * ldc + 16 * v, m, round_bf16(y));
+          _mm512_mask_storeu_ps(f, m, round_bf16(y));
       }
     }
     return;
@@ -164,7 +167,8 @@ static const Tile kTiles[4][kRows + 1] = {ASERVE_TILES(kPlain), ASERVE_TILES(kGa
 #endif
 
 // y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
-// y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits); for a
+// y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits: whole lines
+// go out with streaming stores, since a [64, 49152] float32 output fits no cache); for a
 // gated pack, 1 (kGatedSplit) y [M, N] = [gate | up], or 2 (kGatedSilu) y [M, N / 2] =
 // silu(gate) * up.
 torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
@@ -204,6 +208,7 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                     b == nullptr ? nullptr : b + p * kPanel);
       }
     }
+    _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
   });
 #endif
   return y;
