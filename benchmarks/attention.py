@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
 
     from aserve.kernels import cpu_simd
@@ -64,10 +65,10 @@ def main() -> int:
                                                                dtype=torch.bfloat16)):
         print(json.dumps({"benchmark": "attention", "error": "no AVX-512 kernel build here"}))
         return 1
-    block_size, hq, hkv, d = 16, args.heads, args.kv_heads, args.head_dim
+    block_size, hq, hkv, d = args.block_size, args.heads, args.kv_heads, args.head_dim
     q_lens = [1] * args.batch + ([128] * 4 if args.mixed else [])
     context = [args.context] * args.batch + ([128] * 4 if args.mixed else [])
-    table = block_table(context, block_size, prefill_blocks=8)
+    table = block_table(context, block_size, prefill_blocks=max(1, 128 // block_size))
     num_blocks = int(table.max()) + 1
     caches = [torch.randn(2, num_blocks, block_size, hkv, d).bfloat16()
               for _ in range(args.layers)]
