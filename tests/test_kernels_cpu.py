@@ -236,7 +236,8 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
     torch.testing.assert_close(got.float(), (x.float() @ w.float().T), atol=0.1, rtol=0.02)
 
 
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 49152, 576), (9, 100, 64), (70, 50, 34)])
+@pytest.mark.parametrize("rows,out_features,in_features",
+                         [(1, 49152, 576), (9, 100, 64), (70, 50, 34)])
 def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in_features):
     from aserve.kernels import cpu_gemm
 

@@ -89,7 +89,9 @@ static void weighted_values(const at::BFloat16* vc, const int64_t* offs, int64_t
 
 // Words of head_dim one weighted-values pass takes for q queries (2 q wp sums + 2 wp values
 // + 1 probability within the 32 registers).
-static inline int64_t pass_words(int64_t q) { return std::max<int64_t>(1, std::min<int64_t>(4, 10 / q)); }
+static inline int64_t pass_words(int64_t q) {
+  return std::max<int64_t>(1, std::min<int64_t>(4, 10 / q));
+}
 constexpr int pv_words(int q, int wp) { return wp < 10 / q ? wp : (10 / q < 1 ? 1 : 10 / q); }
 
 using WeightedValues = void (*)(const at::BFloat16*, const int64_t*, int64_t, const float*,
@@ -281,7 +283,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
           }
         }
         for (int64_t j = 0; j < nq; ++j)
-          if (t0 < hi[j]) store_scores(&scores[j * n + t0], sum16(&part[j * 16]), 1.f, soft_cap, cnt);
+          if (t0 < hi[j])
+            store_scores(&scores[j * n + t0], sum16(&part[j * 16]), 1.f, soft_cap, cnt);
       }
 #endif
       // Softmax of each query over its keys [lo, hi); probability 0 elsewhere in the tile.

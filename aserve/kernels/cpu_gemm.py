@@ -11,8 +11,9 @@ exact, sums in float32), then adds the bias and rounds to bf16 once. Threads spl
 64-row block) tasks, panel-major, so a thread reuses a panel from L2 across row blocks.
 
 A gated weight (an MLP's [gate; up]) is packed with 24 gate rows and the same 24 up rows in each
-panel (`panel_lane`), so a tile holds both halves of 24 outputs and its epilogue applies silu(gate) * up: the
-activation costs no pass over memory of its own, bit-equal to the GEMM then `silu_and_mul`.
+panel (`panel_lane`), so a tile holds both halves of 24 outputs and its epilogue applies
+silu(gate) * up: the activation costs no pass over memory of its own, bit-equal to the GEMM then
+`silu_and_mul`.
 
 Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) against oneDNN's prepacked bf16
 linear (`benchmarks/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a decode step streams
