@@ -89,9 +89,10 @@ enum Epilogue { kPlain, kGatedSplit, kGatedSilu, kPlainFloat };
 
 #ifdef ASERVE_GEMM
 
-// The R x 48 float sums of a tile into c: kPlain, columns [0, cols) (+ bias); a gated panel's
-// 24 gate and 24 up sums of outputs [0, cols): kGatedSplit stores both as bf16 (up at column
-// d), kGatedSilu stores bf16(bf16(silu(g)) * u) with g, u rounded to bf16 first: the
+// The R x 48 float sums of a tile into `out`. kPlain: columns [0, cols) (+ bias) as bf16;
+// kPlainFloat: the same bf16 values as float32 (whole lines by streaming stores). A gated
+// panel's 24 gate and 24 up sums of outputs [0, cols): kGatedSplit stores both as bf16 (up at
+// column d), kGatedSilu stores bf16(bf16(silu(g)) * u) with g, u rounded to bf16 first: the
 // arithmetic of storing gate_up and applying `silu_and_mul`, bit for bit.
 template <int R, int E>
 static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
