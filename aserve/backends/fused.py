@@ -63,10 +63,11 @@ def argmax_op(logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | 
 
 def _cpu_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
-    if (k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
-            and k.stride() == q.stride()):  # k's heads follow q's in each row (split of qkv)
+    if (k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size() and k.stride() == q.stride()
+            and q.stride(0) >= q.shape[1] + k.shape[1]):  # k's heads follow q's in each row
+        # (a split of the qkv projection's output): one pass over both
         both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride())
-        cpu_fused.rope(positions, both, cos, sin, head_dim, rotary_dim)  # one C++ pass
+        cpu_fused.rope(positions, both, cos, sin, head_dim, rotary_dim)
         return
     for x in (q, k):  # one C++ pass each
         cpu_fused.rope(positions, x, cos, sin, head_dim, rotary_dim)
