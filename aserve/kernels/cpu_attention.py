@@ -15,13 +15,12 @@ K/V row is read once per task; row j of a tile attends the first len0 + j keys o
     keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
     a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
 
-Scores go 16 keys at a time (dpbf16 where the CPU has AVX512-BF16, then a transpose-reduce),
-the softmax is float32 over each query's own keys, and the weighted sum of values keeps its
-float32 sums in registers (a bf16 word splits into even and odd dims with two bit operations).
-The register tiles are templates on the queries and the 32-value words of head_dim, so their
-loops unroll and nothing spills. Blocks are scattered in memory, so the score pass fetches the
-K and V rows 32 keys ahead into L2 (and the first rows of the next task before it starts):
-64 x 192-key decode rows, one smol layer with the cache in DRAM, 0.64 -> 0.46 ms.
+The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
+weighted sum of values with its sums in registers) is the register tiles of
+`cpu_attention_tiles`. Blocks are scattered in memory, so the score pass fetches the K and V
+rows 32 keys ahead into L2, each task the first rows of the next, and threads claim tasks one at
+a time, costliest first (`plan_tiles` orders them). 64 x 192-key decode rows, one smol layer
+with the cache in DRAM: 0.64 -> 0.46 ms (`benchmarks/attention.py`).
 Where the kernel does not apply (fp16, no AVX-512, head_dim % 16), `cpu_attention_forward` is
 `store_kv_ref` + `paged_attention_cpu`.
 """
@@ -39,151 +38,13 @@ from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
 SOURCE = r"""
 #ifdef ASERVE_AVX512
-constexpr int64_t kAhead = 32;  // keys whose K and V rows are fetched ahead (blocks scatter)
-constexpr int64_t kQueryTile = 8;  // most queries a weighted-values pass keeps in registers
-
-// Fetch `values` bf16 from p on (into L2: the L1's few miss buffers would stall the stream).
-static inline void fetch_row(const at::BFloat16* p, int64_t values) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t l = 0; l < 2 * values; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
-}
-
-// o[g][32 w : 32 (w + 1)] for the words w0 <= w < w0 + WP of head_dim = inv[g] * sum_t p[g, t] *
-// v_t, for Q queries, all 2 Q WP sums in registers. A word of 32 bf16 splits into its even and
-// odd dims as two float vectors with one shift and one mask (bf16 is float's top half); the two
-// halves are put back together as bf16 pairs when stored.
-template <int Q, int WP>
-static void weighted_values(const at::BFloat16* vc, const int64_t* offs, int64_t n,
-                            const float* p, int64_t p_stride, int64_t w0, const __mmask32* masks,
-                            const float* inv, at::BFloat16* const* o) {
-  __m512 even[Q][WP], odd[Q][WP];
-  ASERVE_UNROLL for (int g = 0; g < Q; ++g)
-    ASERVE_UNROLL for (int w = 0; w < WP; ++w) even[g][w] = odd[g][w] = _mm512_setzero_ps();
-  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t t = 0; t < n; ++t) {
-    const at::BFloat16* v = vc + offs[t] + 32 * w0;
-    __m512 ve[WP], vo[WP];
-    ASERVE_UNROLL for (int w = 0; w < WP; ++w) {
-      const __m512i x = _mm512_maskz_loadu_epi16(masks[w0 + w], v + 32 * w);
-      ve[w] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-      vo[w] = _mm512_castsi512_ps(_mm512_and_si512(x, top));
-    }
-    ASERVE_UNROLL for (int g = 0; g < Q; ++g) {
-      const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
-      ASERVE_UNROLL for (int w = 0; w < WP; ++w) {
-        even[g][w] = _mm512_fmadd_ps(pg, ve[w], even[g][w]);
-        odd[g][w] = _mm512_fmadd_ps(pg, vo[w], odd[g][w]);
-      }
-    }
-  }
-  ASERVE_UNROLL for (int g = 0; g < Q; ++g) {
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    ASERVE_UNROLL for (int w = 0; w < WP; ++w) {
-      const __m512i lo = bf16_bits(_mm512_mul_ps(even[g][w], s));
-      const __m512i hi = bf16_bits(_mm512_mul_ps(odd[g][w], s));
-      _mm512_mask_storeu_epi16(o[g] + 32 * (w0 + w), masks[w0 + w],
-                               _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
-  }
-}
-
-// Words of head_dim one weighted-values pass takes for q queries (2 q wp sums + 2 wp values
-// + 1 probability within the 32 registers).
-static inline int64_t pass_words(int64_t q) {
-  return std::max<int64_t>(1, std::min<int64_t>(4, 10 / q));
-}
-constexpr int pv_words(int q, int wp) { return wp < 10 / q ? wp : (10 / q < 1 ? 1 : 10 / q); }
-
-using WeightedValues = void (*)(const at::BFloat16*, const int64_t*, int64_t, const float*,
-                                int64_t, int64_t, const __mmask32*, const float*,
-                                at::BFloat16* const*);
-#define ASERVE_PV_ROW(Q)                                                                  \
-  {nullptr, weighted_values<Q, pv_words(Q, 1)>, weighted_values<Q, pv_words(Q, 2)>,       \
-   weighted_values<Q, pv_words(Q, 3)>, weighted_values<Q, pv_words(Q, 4)>}
-// [queries 1..8][words 1..4]
-static const WeightedValues kWeighted[9][5] = {
-    {}, ASERVE_PV_ROW(1), ASERVE_PV_ROW(2), ASERVE_PV_ROW(3), ASERVE_PV_ROW(4),
-    ASERVE_PV_ROW(5), ASERVE_PV_ROW(6), ASERVE_PV_ROW(7), ASERVE_PV_ROW(8)};
-#undef ASERVE_PV_ROW
-
-static inline void store_scores(float* s, __m512 sc, float scale, float soft_cap,
-                                int64_t cnt) {
-  sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-  if (soft_cap > 0.f) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, sc);
-    for (float& x : tmp) x = soft_cap * std::tanh(x / soft_cap);
-    sc = _mm512_load_ps(tmp);
-  }
-  _mm512_mask_storeu_ps(s, tail_mask(cnt), sc);
-}
-
-#ifdef __AVX512BF16__
-// Queries of one scores pass: their NQ x W bf16 words stay in registers.
-static inline int64_t pass_queries(int64_t words) {
-  return std::max<int64_t>(1, std::min<int64_t>(8, 16 / words));
-}
-constexpr int qk_queries(int nq, int w) { return nq < 16 / w ? nq : (16 / w < 1 ? 1 : 16 / w); }
-
-// scores[j * stride + t] = scale * <q_j, k_t> for keys t < n and NQ queries whose bf16 words
-// are qw[j * W + w]: 16 keys at a time, each key's W words into a dpbf16 chain per query (exact
-// products, float32 sums), then a transpose-reduce; a query skips the groups past its hi[j].
-// With `fetch`, the K and V rows kAhead keys on are fetched as it goes.
-template <int NQ, int W>
-static void qk_scores(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* offs,
-                      int64_t n, const __m512i* qw, const __mmask32* masks, const int64_t* hi,
-                      float scale, float soft_cap, float* scores, int64_t stride, int64_t d,
-                      bool fetch) {
-  __m512i qv[NQ][W];
-  for (int j = 0; j < NQ; ++j)
-    for (int w = 0; w < W; ++w) qv[j][w] = qw[j * W + w];
-  __m512 part[NQ][16];
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    const int64_t cnt = std::min<int64_t>(16, n - t0);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int64_t t = t0 + i;
-      if (fetch && t + kAhead < n) {
-        fetch_row(kc + offs[t + kAhead], d);
-        fetch_row(vc + offs[t + kAhead], d);
-      }
-      const at::BFloat16* k = kc + offs[t];
-      __m512i kw[W];
-      for (int w = 0; w < W; ++w) kw[w] = _mm512_maskz_loadu_epi16(masks[w], k + 32 * w);
-      for (int j = 0; j < NQ; ++j) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[j][0], (__m512bh)kw[0]);
-        for (int w = 1; w < W; ++w) a = _mm512_dpbf16_ps(a, (__m512bh)qv[j][w], (__m512bh)kw[w]);
-        part[j][i] = a;
-      }
-    }
-    for (int64_t i = cnt; i < 16; ++i)  // lanes past the last key: stored masked, kept defined
-      for (int j = 0; j < NQ; ++j) part[j][i] = _mm512_setzero_ps();
-    for (int j = 0; j < NQ; ++j)
-      if (t0 < hi[j]) store_scores(scores + j * stride + t0, sum16(part[j]), scale, soft_cap, cnt);
-  }
-}
-
-using Scores = void (*)(const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
-                        const __m512i*, const __mmask32*, const int64_t*, float, float, float*,
-                        int64_t, int64_t, bool);
-#define ASERVE_QK_ROW(W)                                                                     \
-  {nullptr, qk_scores<qk_queries(1, W), W>, qk_scores<qk_queries(2, W), W>,                  \
-   qk_scores<qk_queries(3, W), W>, qk_scores<qk_queries(4, W), W>,                           \
-   qk_scores<qk_queries(5, W), W>, qk_scores<qk_queries(6, W), W>,                           \
-   qk_scores<qk_queries(7, W), W>, qk_scores<qk_queries(8, W), W>}
-// [words 1..8][queries 1..8]
-static const Scores kScores[9][9] = {
-    {}, ASERVE_QK_ROW(1), ASERVE_QK_ROW(2), ASERVE_QK_ROW(3), ASERVE_QK_ROW(4),
-    ASERVE_QK_ROW(5), ASERVE_QK_ROW(6), ASERVE_QK_ROW(7), ASERVE_QK_ROW(8)};
-#undef ASERVE_QK_ROW
-#endif
-
 // bf16 attention over the paged cache for tiles of query rows, head_dim a multiple of 16 (at
 // most 256). Tile i = tiles[i] = (request, first row, rows, keys of its first row): row j of the
 // tile attends the first len0 + j keys of its sequence (the causal rule of a prefill chunk; a
 // decode row is a tile of one). One task per (tile, kv head) serves the tile's rows x G query
-// heads together, so each K/V row is read once per task: scores (`qk_scores` where the CPU has
-// AVX512-BF16), a vectorized softmax over each query's own keys, then the weighted sum of
-// values (`weighted_values`). The first pass over the keys fetches K and V rows ahead.
+// heads together, so each K/V row is read once per task: scores, softmax and weighted values
+// by the register tiles of `cpu_attention_tiles`. The first pass over the keys fetches K and V
+// rows ahead, and each task the first rows of the next.
 static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int32_t* table,
                               const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
@@ -263,51 +124,11 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         for (int64_t i = 0; i < d; i += 16)
           _mm512_storeu_ps(&qf[j * d + i], _mm512_mul_ps(load_bf16(qj + i), _mm512_set1_ps(scale)));
       }
-      std::vector<__m512> part(nq * 16);
-      for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const int64_t cnt = std::min<int64_t>(16, n - t0);
-        for (int64_t i = 0; i < cnt; ++i) {
-          if (t0 + i + kAhead < n) {
-            fetch_row(kc + offs[t0 + i + kAhead], d);
-            fetch_row(vc + offs[t0 + i + kAhead], d);
-          }
-          const at::BFloat16* k = kc + offs[t0 + i];
-          __m512 kv[16];
-          for (int64_t c = 0; c < d / 16; ++c) kv[c] = load_bf16(k + 16 * c);
-          for (int64_t j = 0; j < nq; ++j) {
-            const float* qj = &qf[j * d];
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), kv[0]);
-            for (int64_t c = 1; c < d / 16; ++c)
-              a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), kv[c], a);
-            part[j * 16 + i] = a;
-          }
-        }
-        for (int64_t j = 0; j < nq; ++j)
-          if (t0 < hi[j])
-            store_scores(&scores[j * n + t0], sum16(&part[j * 16]), 1.f, soft_cap, cnt);
-      }
+      qk_scores_f32(kc, vc, offs.data(), n, qf.data(), nq, d, hi.data(), soft_cap, scores.data(),
+                    n);
 #endif
-      // Softmax of each query over its keys [lo, hi); probability 0 elsewhere in the tile.
       inv.resize(nq);
-      for (int64_t j = 0; j < nq; ++j) {
-        float* sj = &scores[j * n];
-        const int64_t a = lo[j], e = hi[j];
-        std::fill(sj, sj + a, 0.f);
-        std::fill(sj + e, sj + n, 0.f);
-        __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = a; t < e; t += 16)
-          mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), sj + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = a; t < e; t += 16) {
-          const __mmask16 tm = tail_mask(e - t);
-          const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(tm, sj + t), m);
-          const __m512 ex = _mm512_maskz_mov_ps(tm, exp16(x));
-          _mm512_mask_storeu_ps(sj + t, tm, ex);
-          sum = _mm512_add_ps(sum, ex);
-        }
-        inv[j] = 1.f / _mm512_reduce_add_ps(sum);
-      }
+      softmax_rows(scores.data(), n, nq, lo.data(), hi.data(), inv.data());
       for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
         const int64_t nt = std::min(kQueryTile, nq - j0), wp = pass_words(nt);
         // keys past the last query's range carry probability 0 for all: skip them

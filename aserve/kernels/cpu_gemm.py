@@ -103,12 +103,14 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
       const __m512 bv = bias != nullptr ? load_bf16(bias + 16 * v, m) : _mm512_setzero_ps();
       for (int r = 0; r < R; ++r) {
         const __m512 y = _mm512_add_ps(acc[r][v], bv);
-        float* f = static_cast<float*>(out) + r * ldc + 16 * v;
-        if (E == kPlain)
+        if (E == kPlain) {
           store_bf16(static_cast<at::BFloat16*>(out) + r * ldc + 16 * v, y, m);
-        else if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(f) & 63) == 0)
+          continue;
+        }
+        float* f = static_cast<float*>(out) + r * ldc + 16 * v;  // the bf16 value as float32
+        if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(f) & 63) == 0)
           _mm512_stream_ps(f, round_bf16(y));  // whole lines: no read for ownership
-        else  // the bf16 value, kept as float32
+        else
           _mm512_mask_storeu_ps(f, m, round_bf16(y));
       }
     }

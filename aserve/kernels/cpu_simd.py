@@ -2,9 +2,9 @@
 share.
 
 `load()` compiles (first use; then the cached build) ONE extension from the sources of
-`paged_attention_cpu`, `cpu_attention`, `cpu_fused` and `cpu_gemm` (each module's `SOURCE` and
-`FUNCTIONS`), put after `HEADER` (the includes they share) and `PRELUDE`: a single build parses
-torch's headers once (~28 s here instead of ~75 s for three).
+`paged_attention_cpu`, `cpu_attention_tiles`, `cpu_attention`, `cpu_fused` and `cpu_gemm` (each
+module's `SOURCE` and `FUNCTIONS`), put after `HEADER` (the includes they share) and `PRELUDE`:
+a single build parses torch's headers once (~28 s here instead of ~75 s for three).
 It is built with `-march=native`, keyed by this CPU's instruction-set flags and torch's version;
 without a C++ compiler or ninja, `load()` is None (one warning) and every caller keeps its torch
 path.
@@ -204,8 +204,14 @@ def load():
     asks, so the answer comes from `_built` once known."""
     if EXTENSION in _built:
         return _built[EXTENSION]
-    from aserve.kernels import cpu_attention, cpu_fused, cpu_gemm, paged_attention_cpu
+    from aserve.kernels import (
+        cpu_attention,
+        cpu_attention_tiles,
+        cpu_fused,
+        cpu_gemm,
+        paged_attention_cpu,
+    )
 
-    parts = (paged_attention_cpu, cpu_attention, cpu_fused, cpu_gemm)
+    parts = (paged_attention_cpu, cpu_attention_tiles, cpu_attention, cpu_fused, cpu_gemm)
     return build_extension(EXTENSION, HEADER + PRELUDE + "".join(part.SOURCE for part in parts),
                            [name for part in parts for name in part.FUNCTIONS])
