@@ -120,9 +120,10 @@ def test_fused_silu_and_mul_is_bit_equal():
 
 
 def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=None,
-                  soft_cap=None, seed=0):
+                  soft_cap=None, seed=0, q_row_pad=0):
     """cpu_attention_forward on a batch whose new rows' K/V are NOT yet in the cache (zeroed
-    there), against dense float64 attention over the true K/V."""
+    there), against dense float64 attention over the true K/V. `q_row_pad`: q's rows are
+    strided, that many heads apart more than contiguous rows (as q of a qkv projection)."""
     from aserve.kernels.cpu_attention import cpu_attention_forward
     from aserve.layers.attention import AttentionMetadata
 
@@ -146,6 +147,9 @@ def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=No
                              max(q for q, _ in reqs), max(s for _, s in reqs),
                              starts.tolist(), lens.tolist())
     scale = head_dim**-0.5
+    if q_row_pad:
+        q = torch.cat([q, torch.ones(q.shape[0], q_row_pad, head_dim).bfloat16()], dim=1)
+        q = q[:, :num_heads]
     got = cpu_attention_forward(q, key, value, kc, vc, meta, scale, window, soft_cap)
     want = expected(q.double(), starts, [k.double() for k in keys],
                     [v.double() for v in values], scale, window, soft_cap)
@@ -185,6 +189,13 @@ def test_cpu_forward_long_chunks_and_reused_plan():
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     if _row_tiles(9, 64):
         assert meta.kernel_plan[1] == [0, 2]  # the long chunks, by request
+
+
+def test_cpu_forward_reads_strided_q_rows_as_contiguous_ones():
+    contiguous, want, _ = _forward_case(MIXED + DECODES, 9, 3, 64, 16)
+    strided, _, _ = _forward_case(MIXED + DECODES, 9, 3, 64, 16, q_row_pad=6)
+    assert torch.equal(strided, contiguous)
+    torch.testing.assert_close(strided.double(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_cpu_store_kv_skips_padding_slots():

@@ -49,8 +49,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int32_t* table,
                               const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
                               int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                              int64_t table_stride, float scale, int64_t window,
-                              float soft_cap) {
+                              int64_t table_stride, int64_t q_stride, float scale,
+                              int64_t window, float soft_cap) {
   const int64_t group = hq / hkv, words = (d + 31) / 32;
   __mmask32 masks[8];
   for (int64_t w = 0; w < words; ++w) masks[w] = word_mask(d - 32 * w);
@@ -108,7 +108,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       // bf16 pairs straight into dpbf16 (exact products, float32 sums); scaled afterwards
       qw.resize(nq * words);
       for (int64_t j = 0; j < nq; ++j) {
-        const at::BFloat16* qj = q + ((row0 + j / group) * hq + h * group + j % group) * d;
+        const at::BFloat16* qj =
+            q + (row0 + j / group) * q_stride + (h * group + j % group) * d;
         for (int64_t w = 0; w < words; ++w)
           qw[j * words + w] = _mm512_maskz_loadu_epi16(masks[w], qj + 32 * w);
       }
@@ -120,7 +121,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
 #else
       qf.resize(nq * d);  // float32 queries, pre-scaled
       for (int64_t j = 0; j < nq; ++j) {
-        const at::BFloat16* qj = q + ((row0 + j / group) * hq + h * group + j % group) * d;
+        const at::BFloat16* qj =
+            q + (row0 + j / group) * q_stride + (h * group + j % group) * d;
         for (int64_t i = 0; i < d; i += 16)
           _mm512_storeu_ps(&qf[j * d + i], _mm512_mul_ps(load_bf16(qj + i), _mm512_set1_ps(scale)));
       }
@@ -152,15 +154,16 @@ bool rows_supported(torch::Tensor q) {
 #endif
 }
 
-// Attention for every row of the tiles (see attend_tiles_bf16): q [T, Hq, D] contiguous, caches
-// [NB, BS, Hkv, D], block_table [R, M] int32, tiles [N, 4] int64, out [T, Hq, D].
+// Attention for every row of the tiles (see attend_tiles_bf16): q [T, Hq, D] (rows may be
+// strided: a split of the qkv projection's output), caches [NB, BS, Hkv, D], block_table [R, M]
+// int32, tiles [N, 4] int64, out [T, Hq, D].
 void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_table, torch::Tensor tiles, torch::Tensor out, double scale,
                  int64_t window, double soft_cap) {
   TORCH_CHECK(rows_supported(q), "attend_rows: bf16 q [T, Hq, D] with D % 16 == 0 (D <= 256)");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              out.is_contiguous() && block_table.is_contiguous() && tiles.is_contiguous(),
-              "contiguous tensors needed");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && out.is_contiguous() && block_table.is_contiguous() &&
+              tiles.is_contiguous(), "contiguous tensors needed (q: contiguous heads)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && tiles.scalar_type() == at::kLong,
               "int32 block_table and int64 tiles needed");
 #ifdef ASERVE_AVX512
@@ -168,7 +171,7 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                     v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
                     tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
                     q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
-                    static_cast<float>(scale), window, static_cast<float>(soft_cap));
+                    q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap));
 #endif
 }
 
@@ -280,8 +283,9 @@ def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     plan: RowPlan = m.kernel_plan
     starts, lens, block_table = plan.starts, plan.seq_lens, plan.block_table
     module.store_kv(key, value, k_cache, v_cache, plan.slot_mapping)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # rows may be strided (q of the qkv output), heads not
+    out = q.new_empty(q.shape)
     if starts[-1] < q.shape[0]:  # padding rows past the last request: defined, never read
         out[starts[-1]:] = 0
     if len(plan.tiles):

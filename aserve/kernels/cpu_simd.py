@@ -2,8 +2,9 @@
 share.
 
 `load()` compiles (first use; then the cached build) ONE extension from the sources of
-`paged_attention_cpu`, `cpu_attention_tiles`, `cpu_attention`, `cpu_fused` and `cpu_gemm` (each
-module's `SOURCE` and `FUNCTIONS`), put after `HEADER` (the includes they share) and `PRELUDE`:
+`paged_attention_cpu`, `cpu_attention_tiles`, `cpu_attention`, `cpu_fused`, `cpu_gemm` and
+`cpu_layer` (each module's `SOURCE` and `FUNCTIONS`; `cpu_layer` calls the others' functions), put
+after `HEADER` (the includes they share) and `PRELUDE`:
 a single build parses torch's headers once (~28 s here instead of ~75 s for three).
 It is built with `-march=native`, keyed by this CPU's instruction-set flags and torch's version;
 without a C++ compiler or ninja, `load()` is None (one warning) and every caller keeps its torch
@@ -209,9 +210,11 @@ def load():
         cpu_attention_tiles,
         cpu_fused,
         cpu_gemm,
+        cpu_layer,
         paged_attention_cpu,
     )
 
-    parts = (paged_attention_cpu, cpu_attention_tiles, cpu_attention, cpu_fused, cpu_gemm)
+    parts = (paged_attention_cpu, cpu_attention_tiles, cpu_attention, cpu_fused, cpu_gemm,
+             cpu_layer)
     return build_extension(EXTENSION, HEADER + PRELUDE + "".join(part.SOURCE for part in parts),
                            [name for part in parts for name in part.FUNCTIONS])

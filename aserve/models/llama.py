@@ -17,6 +17,7 @@ from torch import nn
 from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.cpu_block import CpuDecoderBlock
 from aserve.layers.embedding import LMHead, VocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
@@ -74,10 +75,20 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # (the KV cache it was made for, the layer as one C++ call or None): see cpu_block
+        self._block: tuple[torch.Tensor, CpuDecoderBlock | None] | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv_cache = self.self_attn.attn.kv_cache
+        if kv_cache is not None:
+            if self._block is None or self._block[0] is not kv_cache:
+                self._block = (kv_cache, CpuDecoderBlock.of(self))
+            if self._block[1] is not None:
+                out = self._block[1](positions, hidden, residual, attn_metadata)
+                if out is not None:
+                    return out
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
