@@ -3,6 +3,7 @@ generated like a completion; plain JSON or a stream of `chat.completion.chunk` d
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -40,12 +41,20 @@ from aserve.server.serving import (
 )
 
 
-def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
-    template = getattr(body, "chat_template", None) or server_state(request).chat_template
-    try:
+async def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
+    """The prompt text of a chat body. A template the request brings is compiled and rendered
+    in a worker thread: jinja2's sandbox bounds what it may touch, not how long it loops, and
+    the event loop keeps serving everyone else meanwhile."""
+    own = getattr(body, "chat_template", None)
+    template = own or server_state(request).chat_template
+
+    def render() -> str:
         return engine.tokenizer.apply_chat_template(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
             chat_template=template, **(body.chat_template_kwargs or {}))
+
+    try:
+        return await asyncio.to_thread(render) if own else render()
     except Exception as e:  # noqa: BLE001 - a template (maybe the request's own) failed on it
         raise ServerError(f"The chat template could not be applied: {type(e).__name__}: {e}",
                           400, "messages") from e
@@ -55,7 +64,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(request, body.model)
     engine = running_engine(request)
-    prompt = await process_prompt(engine, render_chat(request, engine, body),
+    prompt = await process_prompt(engine, await render_chat(request, engine, body),
                                   body.add_special_tokens)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)

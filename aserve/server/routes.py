@@ -34,7 +34,7 @@ async def tokenize(request: Request) -> Response:
     body = await parse_body(request, TokenizeRequest)
     check_model(request, body.model)
     engine = running_engine(request)
-    text = body.prompt if body.prompt is not None else render_chat(request, engine, body)
+    text = body.prompt if body.prompt is not None else await render_chat(request, engine, body)
     tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     return JSONResponse(TokenizeResponse(tokens=tokens, count=len(tokens),
                                          max_model_len=engine.model_info.max_model_len)
