@@ -133,6 +133,42 @@ def test_random_token_ids_stream_to_full_decode(tok, hf, skip_special_tokens):
             assert full.startswith(streamed)  # never a replacement the full text lacks
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_deferred_text_is_the_streamed_text_decoded_once_at_the_end(tok, sp_dir,
+                                                                     skip_special_tokens):
+    sp = Tokenizer.from_dir(sp_dir)
+    rng = random.Random(7)
+    for trial in range(300):
+        t = (tok, sp)[trial % 2]
+        ids = [rng.randrange(t.vocab_size) for _ in range(rng.randint(1, 40))]
+        prompt = t.encode(rng.choice(["", "x", "Say é", PROMPT]))
+        chunks = random_chunks(ids, rng, 1 + trial % 4)
+        streamed = IncrementalDetokenizer(t, prompt, skip_special_tokens=skip_special_tokens)
+        deferred = IncrementalDetokenizer(t, prompt, skip_special_tokens=skip_special_tokens,
+                                          defer=True)
+        decodes = []
+        decode = t.decode
+        t.decode = lambda *a, _calls=decodes, _decode=decode, **k: (_calls.append(1)
+                                                                    or _decode(*a, **k))
+        try:
+            for i, chunk in enumerate(chunks):
+                assert deferred.update(chunk, finished=i == len(chunks) - 1) is None
+                if i < len(chunks) - 1:
+                    assert deferred.output_text == "" and not decodes
+        finally:
+            del t.decode
+        stream(streamed, chunks)
+        assert deferred.output_text == streamed.output_text, (ids, prompt)
+        assert len(decodes) <= 2  # the window and its new prefix, once
+        assert deferred.output_token_ids == ids
+
+
+def test_stop_strings_are_never_deferred(tok):
+    detok = make(tok, stop=["lo"], defer=True)
+    assert not detok.defer
+    assert detok.update(tok.encode("Hello", add_special_tokens=False)) == "lo"
+
+
 def test_split_emoji_is_held_back_until_complete(tok):
     ids = tok.encode("😀")
     assert len(ids) > 1  # the byte-level BPE splits it over several tokens

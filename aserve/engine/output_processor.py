@@ -65,7 +65,8 @@ class OutputProcessor:
                 self.tokenizer, parent.prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                defer=not parent.stream)  # its text is read only once it has finished
             self.children[child_id] = ChildState(
                 parent, index, detokenizer, logprobs=[] if params.logprobs is not None else None)
         if params.prompt_logprobs is not None:
