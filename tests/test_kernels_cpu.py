@@ -285,6 +285,29 @@ def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, 
     assert torch.equal(fused, cpu_fused.silu_and_mul_ref(gate_up))
 
 
+def test_cpu_gemm_weights_gathered_in_huge_pages_compute_the_same():
+    from aserve.kernels.cpu_gemm import PackedWeight, available, gather_in_huge_pages
+
+    if not available():
+        pytest.skip("aserve's AVX512-BF16 GEMM is not built here")
+    torch.manual_seed(0)
+    weights = [PackedWeight(torch.randn(n, 576).bfloat16(), gated=gated)
+               for n, gated in ((3072, True), (960, False), (8192, False))]
+    x = torch.randn(5, 576).bfloat16()
+
+    def outputs() -> list[torch.Tensor]:
+        return [w.silu_and_mul(x) if w.gated else w.linear(x) for w in weights]
+
+    before, packed = outputs(), [w.data.clone() for w in weights]
+    buffer = gather_in_huge_pages(weights)
+    assert all(torch.equal(w.data, p) for w, p in zip(weights, packed, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(outputs(), before, strict=True))
+    if buffer is not None:  # Linux granted huge pages: every weight now lives in the buffer
+        start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+        assert all(start <= w.data.data_ptr() < end and w.data.data_ptr() % 64 == 0
+                   for w in weights)
+
+
 def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
     from aserve.kernels import cpu_fused
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_reduce
-from aserve.kernels.cpu_gemm import PackedWeight
+from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -203,4 +203,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
         if isinstance(module, LinearBase | LMHead) and can_prepack(module.weight):
             module.prepack()
             packed += 1
+    gather_in_huge_pages(list(dict.fromkeys(  # each once, in the order the forward reads them
+        module.packed_weight for module in model.modules()
+        if isinstance(getattr(module, "packed_weight", None), PackedWeight))))
     return packed
