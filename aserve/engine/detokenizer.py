@@ -47,10 +47,10 @@ class IncrementalDetokenizer:
         whose text nobody reads before then and that has no stop strings to watch for: an
         offline `generate`); the text is the same, for one decode instead of two per step."""
         self.tokenizer = tokenizer
-        self.defer = defer and not [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.stop = [s for s in stop if s]
+        self.defer = defer and not self.stop
         self.include_stop_str_in_output = include_stop_str_in_output
         # Characters `get_next_output_text` holds back so a stop string never streams partially.
         self.stop_buffer_length = (
