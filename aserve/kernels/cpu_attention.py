@@ -245,15 +245,19 @@ class RowPlan(NamedTuple):
 
     @classmethod
     def of(cls, m) -> RowPlan:
-        """The plan of a step's `AttentionMetadata`."""
+        """The plan of a step's `AttentionMetadata`: made on the first layer's call, then kept
+        on `m.kernel_plan` for every other layer (and `cpu_block`'s calls)."""
+        if m.kernel_plan is not None:
+            return m.kernel_plan
         starts = np.asarray(m.query_start_loc_cpu if m.query_start_loc_cpu is not None
                             else m.query_start_loc.tolist(), dtype=np.int64)
         lens = np.asarray(m.seq_lens_cpu if m.seq_lens_cpu is not None
                           else m.seq_lens.tolist(), dtype=np.int64)
         tiles, long_reqs = plan_tiles(starts, lens)
-        return cls(tiles, long_reqs, starts.tolist(), lens.tolist(),
-                   m.block_table.to(torch.int32).contiguous(),
-                   m.slot_mapping.to(torch.int64).contiguous())
+        m.kernel_plan = cls(tiles, long_reqs, starts.tolist(), lens.tolist(),
+                            m.block_table.to(torch.int32).contiguous(),
+                            m.slot_mapping.to(torch.int64).contiguous())
+        return m.kernel_plan
 
 
 def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -278,9 +282,7 @@ def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
             q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table, scale,
             sliding_window, soft_cap, query_start_loc_cpu=m.query_start_loc_cpu,
             seq_lens_cpu=m.seq_lens_cpu, key=key, value=value)
-    if m.kernel_plan is None:
-        m.kernel_plan = RowPlan.of(m)
-    plan: RowPlan = m.kernel_plan
+    plan = RowPlan.of(m)
     starts, lens, block_table = plan.starts, plan.seq_lens, plan.block_table
     module.store_kv(key, value, k_cache, v_cache, plan.slot_mapping)
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]:

@@ -70,9 +70,7 @@ class CpuDecoderBlock:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after the layer, as `LlamaDecoderLayer.forward`; None where this
         step has a chunk for SDPA (the layer then runs its modules)."""
-        if metadata.kernel_plan is None:
-            metadata.kernel_plan = RowPlan.of(metadata)
-        plan: RowPlan = metadata.kernel_plan
+        plan = RowPlan.of(metadata)
         if (plan.long_reqs or positions.dtype != torch.int64 or hidden.dtype != torch.bfloat16
                 or not hidden.is_contiguous()):
             return None

@@ -198,12 +198,11 @@ def prepack_linear_weights(model: nn.Module) -> int:
     """Prepack every linear / LM-head weight that `can_prepack`; returns how many were."""
     from aserve.layers.embedding import LMHead
 
-    packed = 0
+    packed = []
     for module in model.modules():
         if isinstance(module, LinearBase | LMHead) and can_prepack(module.weight):
             module.prepack()
-            packed += 1
-    gather_in_huge_pages(list(dict.fromkeys(  # each once, in the order the forward reads them
-        module.packed_weight for module in model.modules()
-        if isinstance(getattr(module, "packed_weight", None), PackedWeight))))
-    return packed
+            packed.append(module.packed_weight)
+    # aserve's GEMM weights, in the order the forward reads them, into one huge-page buffer
+    gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight)])
+    return len(packed)
