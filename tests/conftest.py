@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_models import make_hf_model
+from helpers.hf_models import make_hf_model
 
 if not torch.cuda.is_available():  # before any @triton.jit runs: Triton kernels test on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")

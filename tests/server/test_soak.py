@@ -30,7 +30,7 @@ import httpx
 import pytest
 import torch
 from conftest import serving, tiny_app
-from soak_client import SoakRequest, SoakResult, make_plan, send_all
+from helpers.soak_client import SoakRequest, SoakResult, make_plan, send_all
 from starlette.requests import ClientDisconnect
 
 from aserve import LLM, SamplingParams

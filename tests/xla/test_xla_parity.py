@@ -15,7 +15,7 @@ import random
 from pathlib import Path
 
 import pytest
-from hf_models import hf_greedy
+from helpers.hf_models import hf_greedy
 
 from aserve import LLM, SamplingParams
 

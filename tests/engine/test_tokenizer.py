@@ -10,7 +10,7 @@ import shutil
 
 import jinja2
 import pytest
-from hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from helpers.hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
 from aserve.engine.tokenizer import Tokenizer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hf_models import hf_greedy
+from helpers.hf_models import hf_greedy
 from server.test_cli import free_port, wait_healthy
 
 from aserve import LLM, SamplingParams

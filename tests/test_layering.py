@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2] / "aserve"
+ROOT = Path(__file__).resolve().parents[1] / "aserve"
 SHARED = {"config", "sampling_params", "assets"}  # frozen dataclasses, package data
 ALLOWED = {
     "config": set(),

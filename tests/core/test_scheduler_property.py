@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from fake_runner import FakeRunner, fake_token
+from helpers.fake_runner import FakeRunner, fake_token
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

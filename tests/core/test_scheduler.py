@@ -1,6 +1,6 @@
 """Scheduler: budget, chunked prefill, prefix hits, preemption, stops, aborts, admission order.
 
-Every test drives the scheduler through `FakeRunner` (tests/unit/fake_runner.py), which checks the
+Every test drives the scheduler through `FakeRunner` (tests/helpers/fake_runner.py), which checks the
 scheduler's invariants, the per-step limits and the K/V every request would read after each step.
 Block size is 4 throughout; prompts are runs of distinct token ids, so only equal prompts share
 blocks. Unless a test says otherwise the fake model samples `100 + position`, never EOS.
@@ -9,7 +9,7 @@ blocks. Unless a test says otherwise the fake model samples `100 + position`, ne
 from __future__ import annotations
 
 import pytest
-from fake_runner import FakeRunner
+from helpers.fake_runner import FakeRunner
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.request import Request, RequestStatus

@@ -9,7 +9,7 @@ import pathlib
 import random
 
 import pytest
-from hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus
+from helpers.hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus
 
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.tokenizer import Tokenizer

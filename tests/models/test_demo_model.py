@@ -16,7 +16,7 @@ from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
 # First turns of chatterbot-corpus dialogues (greetings.yml, conversations.yml, botprofile.yml).
 GREETINGS = ["Hello", "Hi", "How are you doing?", "Good morning, how are you?", "Where are you"]
-WORDS_FILE = Path(__file__).parent / "data" / "demo_corpus_words.txt"  # written by the trainer
+WORDS_FILE = Path(__file__).resolve().parents[1] / "data" / "demo_corpus_words.txt"  # written by the trainer
 MAX_TOKENS = 32
 MIN_WORD_FRACTION = 0.7
 WORD = re.compile(r"[A-Za-z']+")
