@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers.requests import make_request
 
 from aserve.core.hashing import hash_block_tokens, update_block_hashes
-from aserve.core.request import Request
-from aserve.sampling_params import SamplingParams
 
 # Computed once by hash_block_tokens and pinned: a change here invalidates every stored hash.
 PINNED = {
@@ -20,8 +19,6 @@ PINNED = {
 }
 
 
-def make_request(tokens: list[int], cache_salt: str | None = None) -> Request:
-    return Request("r", tokens, SamplingParams(), arrival_time=0.0, cache_salt=cache_salt)
 
 
 def test_hash_matches_pinned_digests() -> None:
@@ -82,7 +79,7 @@ def test_hash_is_the_same_under_another_pythonhashseed() -> None:
 
 
 def test_update_block_hashes_covers_only_full_blocks() -> None:
-    request = make_request(list(range(10)))
+    request = make_request(prompt=list(range(10)))
     update_block_hashes(request, block_size=4)
     h0 = hash_block_tokens(None, [0, 1, 2, 3])
     h1 = hash_block_tokens(h0, [4, 5, 6, 7])
@@ -90,7 +87,7 @@ def test_update_block_hashes_covers_only_full_blocks() -> None:
 
 
 def test_update_block_hashes_is_incremental() -> None:
-    request = make_request(list(range(7)))
+    request = make_request(prompt=list(range(7)))
     update_block_hashes(request, block_size=4)
     assert len(request.block_hashes) == 1
     first = request.block_hashes[0]
@@ -103,10 +100,10 @@ def test_update_block_hashes_is_incremental() -> None:
 
 
 def test_cache_salt_goes_into_the_first_block_only() -> None:
-    salted = make_request(list(range(8)), cache_salt="s")
+    salted = make_request(prompt=list(range(8)), cache_salt="s")
     update_block_hashes(salted, block_size=4)
     h0 = hash_block_tokens(None, [0, 1, 2, 3], ("s",))
     assert salted.block_hashes == [h0, hash_block_tokens(h0, [4, 5, 6, 7])]
-    plain = make_request(list(range(8)))
+    plain = make_request(prompt=list(range(8)))
     update_block_hashes(plain, block_size=4)
     assert plain.block_hashes[0] != h0 and plain.block_hashes[1] != salted.block_hashes[1]

@@ -5,16 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.requests import make_request
 
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.request import Request
-from aserve.sampling_params import SamplingParams
 
 BS = 4  # block size in every test
 
 
-def make_request(req_id: str, tokens: list[int], salt: str | None = None, **params) -> Request:
-    return Request(req_id, tokens, SamplingParams(**params), arrival_time=0.0, cache_salt=salt)
 
 
 def free_ids(manager: KVCacheManager) -> list[int]:
@@ -183,10 +181,10 @@ def test_caching_disabled_never_hits_nor_registers() -> None:
 
 def test_cache_salt_separates_prefixes() -> None:
     manager = KVCacheManager(num_blocks=8, block_size=BS)
-    schedule(manager, make_request("a", list(range(10)), salt="x"), 10)
+    schedule(manager, make_request("a", list(range(10)), cache_salt="x"), 10)
     assert manager.get_computed_blocks(make_request("b", list(range(10))))[1] == 0
-    assert manager.get_computed_blocks(make_request("c", list(range(10)), salt="y"))[1] == 0
-    assert manager.get_computed_blocks(make_request("d", list(range(10)), salt="x"))[1] == 8
+    assert manager.get_computed_blocks(make_request("c", list(range(10)), cache_salt="y"))[1] == 0
+    assert manager.get_computed_blocks(make_request("d", list(range(10)), cache_salt="x"))[1] == 8
 
 
 def test_duplicate_content_keeps_first_registration() -> None:

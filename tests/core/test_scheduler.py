@@ -1,20 +1,21 @@
 """Scheduler: budget, chunked prefill, prefix hits, preemption, stops, aborts, admission order.
 
-Every test drives the scheduler through `FakeRunner` (tests/helpers/fake_runner.py), which checks the
-scheduler's invariants, the per-step limits and the K/V every request would read after each step.
-Block size is 4 throughout; prompts are runs of distinct token ids, so only equal prompts share
-blocks. Unless a test says otherwise the fake model samples `100 + position`, never EOS.
+Every test drives the scheduler through `FakeRunner` (tests/helpers/fake_runner.py), which
+checks the scheduler's invariants, the per-step limits and the K/V every request would read after
+each step. Block size is 4 throughout; prompts are runs of distinct token ids, so only equal
+prompts share blocks. Unless a test says otherwise the fake model samples `100 + position`, never
+EOS.
 """
 
 from __future__ import annotations
 
 import pytest
 from helpers.fake_runner import FakeRunner
+from helpers.requests import make_request as helper_request
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
-from aserve.sampling_params import SamplingParams
 
 BS = 4
 EOS = 0
@@ -32,12 +33,8 @@ def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_num_seqs: int 
         CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching))
 
 
-def make_request(req_id: str, prompt: list[int], *, arrival: float = 0.0, priority: int = 0,
-                 **params) -> Request:
-    params.setdefault("max_tokens", 16)
-    sampling_params = SamplingParams(**params)
-    sampling_params.eos_token_ids = (EOS,)
-    return Request(req_id, prompt, sampling_params, arrival_time=arrival, priority=priority)
+def make_request(req_id: str, prompt: list[int], **kwargs) -> Request:
+    return helper_request(req_id, prompt, eos_token_ids=(EOS,), **kwargs)
 
 
 def tokens(start: int, n: int) -> list[int]:
