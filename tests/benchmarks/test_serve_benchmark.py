@@ -6,28 +6,20 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+from helpers.server import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def aserve_url(model_dir_factory) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "aserve", "--model", str(model_dir_factory("llama")),
          "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
@@ -35,15 +27,7 @@ def aserve_url(model_dir_factory) -> Iterator[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, f"aserve exited: {proc.stderr.read()[-2000:]}"
-            assert time.monotonic() < deadline, "aserve was not ready within 60 s"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        wait_healthy(proc, url)
         yield url
     finally:
         proc.send_signal(signal.SIGTERM)

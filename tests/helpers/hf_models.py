@@ -136,17 +136,39 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
     return out
 
 
-def hf_greedy(model_dir: str | Path, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-    """HF transformers' greedy continuations (float32, CPU), exactly `num_new` tokens each."""
+def load_hf_model(model_dir: str | Path, dtype=None):
+    """HF transformers' `AutoModelForCausalLM` for `model_dir`, in eval mode (float32 default)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+
+
+def hf_greedy(model, prompts: list[list[int]], num_new: int, *, eos_token_id: int | None = None,
+              pad_token_id: int = PAD_ID, with_logits: bool = False):
+    """HF transformers' greedy continuations (CPU), one prompt at a time.
+
+    model: a model dir (loaded in float32) or a loaded HF model. Without `eos_token_id` each
+    continuation is exactly `num_new` tokens; with it, it stops there (at most `num_new`).
+    Returns the continuations' token ids, and with `with_logits` also their raw logits (one
+    float32 [len, vocab] tensor per prompt): `(outputs, logits)`.
+    """
+    import torch
+
+    if isinstance(model, (str, Path)):
+        model = load_hf_model(model)
+    lengths = ({"min_new_tokens": num_new} if eos_token_id is None
+               else {"eos_token_id": eos_token_id})
+    extra = {"output_logits": True, "return_dict_in_generate": True} if with_logits else {}
+    outputs, logits = [], []
     with torch.inference_mode():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+                                 max_new_tokens=num_new, pad_token_id=pad_token_id,
+                                 **lengths, **extra)
+            sequences = out.sequences if with_logits else out
+            outputs.append(sequences[0, len(prompt):].tolist())
+            if with_logits:
+                logits.append(torch.cat(out.logits).float())
+    return (outputs, logits) if with_logits else outputs

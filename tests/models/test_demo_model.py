@@ -9,14 +9,15 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
+from helpers.hf_models import hf_greedy, load_hf_model
 
 from aserve import LLM, SamplingParams
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 
 # First turns of chatterbot-corpus dialogues (greetings.yml, conversations.yml, botprofile.yml).
 GREETINGS = ["Hello", "Hi", "How are you doing?", "Good morning, how are you?", "Where are you"]
-WORDS_FILE = Path(__file__).resolve().parents[1] / "data" / "demo_corpus_words.txt"  # written by the trainer
+# Written by the trainer (scripts/train_demo_model.py --words-out).
+WORDS_FILE = Path(__file__).resolve().parents[1] / "data" / "demo_corpus_words.txt"
 MAX_TOKENS = 32
 MIN_WORD_FRACTION = 0.7
 WORD = re.compile(r"[A-Za-z']+")
@@ -86,19 +87,16 @@ def test_demo_model_answers_in_words_in_its_shipped_dtype(vocabulary):
 
 
 def test_transformers_loads_the_demo_dir_and_gives_the_same_greedy_reply(fp32_outputs):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
-    model = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    model = load_hf_model(DEMO_MODEL_DIR)
     for greeting, out in zip(GREETINGS, fp32_outputs):
         text = tokenizer.apply_chat_template(chat(greeting), tokenize=False,
                                              add_generation_prompt=True)
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert prompt_ids == out.prompt_token_ids
-        ids = torch.tensor([prompt_ids])
-        with torch.inference_mode():
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=MAX_TOKENS,
-                                       eos_token_id=tokenizer.eos_token_id,
-                                       pad_token_id=tokenizer.pad_token_id)
-        assert generated[0, len(prompt_ids):].tolist() == out.outputs[0].token_ids, greeting
+        [generated] = hf_greedy(model, [prompt_ids], MAX_TOKENS,
+                                eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)
+        assert generated == out.outputs[0].token_ids, greeting

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
+from helpers.hf_models import load_hf_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from aserve.backends.attention import attention_ops
 from aserve.config import ModelConfig
@@ -47,7 +47,7 @@ def load(model_dir, dtype="float32", **kwargs):
 
 
 def hf_logits(model_dir, ids, dtype=torch.float32):
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    hf = load_hf_model(model_dir, dtype)
     with torch.inference_mode():
         return hf(ids[None]).logits[0].float()  # [L, vocab]
 

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from helpers.hf_models import hf_greedy, load_hf_model
 
 from aserve import LLM, SamplingParams
 
@@ -25,21 +26,10 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 @pytest.fixture(scope="module", params=ARCHS)
 def reference(request, model_dir_factory):
     """The model dir, its prompts, and HF's greedy continuations with raw logits."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = model_dir_factory(request.param)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf_model(model_dir)
     prompts = make_prompts(model.config.vocab_size)
-    outputs, logits = [], []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                 pad_token_id=0, output_logits=True,
-                                 return_dict_in_generate=True)
-            outputs.append(out.sequences[0, len(prompt):].tolist())
-            logits.append(torch.cat(out.logits).float())  # [NUM_NEW, vocab]
+    outputs, logits = hf_greedy(model, prompts, NUM_NEW, with_logits=True)  # logits [NUM_NEW, V]
     return model_dir, prompts, outputs, logits
 
 
@@ -117,10 +107,8 @@ def test_top5_logprobs_close_to_hf(reference):
 
 
 def test_prompt_logprobs_match_hf_across_chunks(reference):
-    from transformers import AutoModelForCausalLM
-
     model_dir, prompts, _, _ = reference
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf_model(model_dir)
     llm = LLM(model_dir, dtype="float32", max_num_batched_tokens=16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            greedy(prompt_logprobs=2, max_tokens=1))

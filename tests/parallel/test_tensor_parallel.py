@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from helpers.hf_models import hf_greedy
-from server.test_cli import free_port, wait_healthy
+from helpers.server import free_port, wait_healthy
 
 from aserve import LLM, SamplingParams
 

@@ -5,41 +5,21 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from helpers.server import free_port, wait_healthy
 
 from aserve.engine.arg_utils import EngineArgs
 from aserve.server.cli import build_parser, engine_args_from, server_config_from
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None,
             timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aserve", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited before it was healthy"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server was not healthy within the deadline")
 
 
 def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp_path):

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import serving, tiny_app
+from helpers.server import serving, tiny_app
 
 from aserve import LLM, SamplingParams
 

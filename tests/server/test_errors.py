@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import serving, tiny_app
+from helpers.server import serving, tiny_app
 
 from aserve.server import ServerConfig
 

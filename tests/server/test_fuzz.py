@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import serving, tiny_app
+from helpers.server import serving, tiny_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel

@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from conftest import serving, tiny_app
+from helpers.server import serving, tiny_app
 
 from aserve.server import ServerConfig
 from aserve.server.protocol import (

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import serving
+from helpers.server import serving
 
 pytest.importorskip("fastapi")
 EXAMPLE = Path(__file__).parents[2] / "examples" / "mount_in_fastapi.py"

@@ -19,8 +19,7 @@ import threading
 import time
 
 import httpx
-from conftest import serving, tiny_app
-from test_cli import free_port, wait_healthy
+from helpers.server import free_port, serving, tiny_app, wait_healthy
 
 from aserve.runner.worker import Worker
 from aserve.server import ServerConfig

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import torch
-from conftest import serving, tiny_app
+from helpers.server import serving, tiny_app
 from helpers.soak_client import SoakRequest, SoakResult, make_plan, send_all
 from starlette.requests import ClientDisconnect
 
