@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kernels_ref import MIXED, expected, make_batch
+from helpers.attention import MIXED, expected, make_batch
 
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.paged_attention_cpu import load_kernel, paged_attention_cpu

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from test_kernels_ref import MIXED, expected, make_batch  # noqa: E402
+from helpers.attention import MIXED, expected, make_batch  # noqa: E402
 
 from aserve.kernels import (  # noqa: E402
     choose_num_splits,
