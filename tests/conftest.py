@@ -1,4 +1,9 @@
-"""Session-wide fixtures: tiny HF model directories built once per (arch, overrides)."""
+"""Session-wide fixtures: tiny HF model directories built once per (arch, overrides), and the C++
+CPU kernels, built on first use by the tests that ask for them (never at collection).
+
+This file imports neither torch nor transformers, so `pytest tests/core` runs without them
+(tests/core/test_torch_free.py checks it); whatever needs torch imports it when it runs.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.hf_models import make_hf_model
 
-if not torch.cuda.is_available():  # before any @triton.jit runs: Triton kernels test on CPU
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+TESTS = Path(__file__).resolve().parent
+# Test modules that must import without torch: they are collected without the Triton check below.
+TORCH_FREE = (TESTS / "core", TESTS / "test_layering.py")
+
+
+def _default_triton_interpret() -> None:
+    """Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET=1 must be set
+    before any `@triton.jit` decorates one, i.e. before a test module imports aserve.kernels."""
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path: Path, parent):
+    """Runs before each test module is imported."""
+    path = module_path.resolve()
+    if not any(path == p or p in path.parents for p in TORCH_FREE):
+        _default_triton_interpret()
+    return None  # pytest's own Module collector
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +45,8 @@ def model_dir_factory(tmp_path_factory) -> Callable[..., Path]:
 
     Overrides are those of `make_hf_model` (config keys, `max_shard_size`, `seed`).
     """
+    from helpers.hf_models import make_hf_model
+
     root = tmp_path_factory.mktemp("hf_models")
     cache: dict[str, Path] = {}
 
@@ -52,3 +78,37 @@ def qwen2_dir(model_dir_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_dir(model_dir_factory) -> Path:
     return model_dir_factory("qwen3")
+
+
+# The C++ CPU extension compiles on first use (tens of seconds, then cached under the torch
+# extensions dir). These fixtures build it when the first test that needs it runs and skip that
+# test where it cannot be built; a module-level `skipif(load...())` would build it at collection.
+
+
+@pytest.fixture(scope="session")
+def cpu_attention_kernel():
+    """The C++ paged-attention kernel module (`paged_attention_cpu.load_kernel()`)."""
+    from aserve.kernels.paged_attention_cpu import load_kernel
+
+    kernel = load_kernel()
+    if kernel is None:
+        pytest.skip("the C++ CPU kernels cannot be built here (no C++ toolchain)")
+    return kernel
+
+
+@pytest.fixture(scope="session")
+def cpu_fused_kernels() -> None:
+    """aserve's fused C++ CPU ops (rms_norm, rope, silu_and_mul, argmax) are built."""
+    from aserve.kernels import cpu_fused
+
+    if not cpu_fused.load():
+        pytest.skip("the fused C++ CPU ops cannot be built here")
+
+
+@pytest.fixture(scope="session")
+def cpu_gemm_kernel() -> None:
+    """aserve's AVX512-BF16 GEMM (and the batch-invariant kernels around it) is built."""
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("aserve's AVX512-BF16 GEMM is not built here (no AVX512-BF16 or toolchain)")

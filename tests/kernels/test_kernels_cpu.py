@@ -9,7 +9,7 @@ from helpers.attention import MIXED, expected, make_batch
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.paged_attention_cpu import load_kernel, paged_attention_cpu
 
-pytestmark = pytest.mark.skipif(load_kernel() is None, reason="no C++ toolchain to build it")
+pytestmark = pytest.mark.usefixtures("cpu_attention_kernel")  # built when the first test runs
 
 DECODES = [(1, 1), (1, 5), (1, 16), (1, 17), (1, 40), (1, 33)]
 

@@ -16,10 +16,8 @@ import random
 import pytest
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import cpu_gemm
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(),
-                                reason="the batch-invariant AVX512-BF16 kernels are not built here")
+pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # skips where it is not built
 
 PROMPT_LENS = [5, 17, 31, 40, 64, 70]
 NUM_NEW = 24

@@ -11,11 +11,10 @@ import random
 import pytest
 
 from aserve import LLM, SamplingParams
-from aserve.kernels import cpu_attention, cpu_gemm
+from aserve.kernels import cpu_attention
 from aserve.layers import cpu_block
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.available(),
-                                reason="the CPU bf16 kernels the block calls are not built here")
+pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # skips where it is not built
 
 
 def _run(model_dir, prompts, params) -> list:
