@@ -57,10 +57,10 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
 
-    from aserve.kernels import cpu_simd
+    from aserve.kernels import cpu_extension
     from aserve.kernels.cpu_attention import plan_tiles
 
-    module = cpu_simd.load()
+    module = cpu_extension.load()
     if module is None or not module.rows_supported(torch.empty(1, 1, args.head_dim,
                                                                dtype=torch.bfloat16)):
         print(json.dumps({"benchmark": "attention", "error": "no AVX-512 kernel build here"}))

@@ -5,22 +5,15 @@ The weight [N, K] is repacked into panels of 48 output features, k-pairs interle
 
     packed[p, kp, v, j, t] = W[48 p + 16 v + j, 2 kp + t]        (zero past N)
 
-A micro-kernel keeps an 8-row x 48-column tile of float32 sums in 24 registers and walks K two
-at a time: 3 vector loads of the panel, 8 broadcasts of x's k-pairs, 24 `vdpbf16ps` (products
-exact, sums in float32), then adds the bias and rounds to bf16 once. Threads split (panel,
-64-row block) tasks, panel-major, so a thread reuses a panel from L2 across row blocks.
-
-A gated weight (an MLP's [gate; up]) is packed with 24 gate rows and the same 24 up rows in each
-panel (`panel_lane`), so a tile holds both halves of 24 outputs and its epilogue applies
-silu(gate) * up: the activation costs no pass over memory of its own, bit-equal to the GEMM then
-`silu_and_mul`.
+and an 8-row x 48-column micro-kernel walks K two at a time (`csrc/gemm.h` describes it, and the
+gated packing of an MLP's [gate; up] whose epilogue applies silu(gate) * up).
 
 Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) against oneDNN's prepacked bf16
 linear (`benchmarks/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a decode step streams
 every weight from memory (29 GB/s vs oneDNN's 18). Sums run in another order than oneDNN's, so
 results differ from `F.linear` in the last bf16 bit of some outputs.
 
-Built on first use like `paged_attention_cpu`; `available()` is False where the CPU or compiler
+Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
 lacks AVX512-BF16 (the caller then keeps oneDNN or `F.linear`).
 """
 
@@ -31,7 +24,7 @@ import sys
 
 import torch
 
-from aserve.kernels import cpu_simd
+from aserve.kernels import cpu_extension
 
 PANEL = 48  # output features per panel (3 vectors of 16)
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page (x86-64)
@@ -39,197 +32,9 @@ MADV_HUGEPAGE = 14
 # gemm_linear's epilogues
 EPILOGUE_PLAIN, EPILOGUE_GATED_SPLIT, EPILOGUE_GATED_SILU, EPILOGUE_FLOAT = 0, 1, 2, 3
 
-SOURCE = r"""
-#if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
-#define ASERVE_GEMM 1
-#endif
-
-constexpr int64_t kVecs = 3, kPanel = 16 * kVecs, kHalf = kPanel / 2, kRows = 8,
-                  kRowBlock = 64;
-
-bool gemm_supported() {
-#ifdef ASERVE_GEMM
-  return true;
-#else
-  return false;
-#endif
-}
-
-// Panel lane of weight row n. Plain: n = 48 p + lane. Gated ([gate; up], d rows each): panel p
-// holds outputs [24 p, 24 p + 24) as vectors (gate 0..15), (up 0..15), (gate 16..23 | up
-// 16..23), so that the tile's epilogue pairs gate and up sums without moving them in memory.
-static inline void panel_lane(int64_t n, bool gated, int64_t d, int64_t& p, int64_t& lane) {
-  if (!gated) {
-    p = n / kPanel, lane = n % kPanel;
-    return;
-  }
-  const int64_t half = n / d, c = n % d, o = c % kHalf;
-  p = c / kHalf;
-  lane = o < 16 ? 16 * half + o : 32 + 8 * half + (o - 16);
-}
-
-// w [N, K] bf16 (K even) -> [panels, K / 2, 3, 16, 2], zero where no row lands. `gated`: w is
-// [gate; up] (N even), packed as `panel_lane` says.
-torch::Tensor gemm_pack(torch::Tensor w, bool gated) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
-              "gemm_pack: a bf16 [N, K] weight with K even");
-  TORCH_CHECK(!gated || w.size(0) % 2 == 0, "gemm_pack: a gated weight has 2 d rows");
-  w = w.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), K2 = K / 2, d = N / 2;
-  const int64_t panels = gated ? (d + kHalf - 1) / kHalf : (N + kPanel - 1) / kPanel;
-  auto out = torch::zeros({panels, K2, kVecs, 16, 2}, w.options());
-  const int32_t* src = reinterpret_cast<const int32_t*>(w.data_ptr());  // k-pairs
-  int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr());
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      int64_t p, lane;  // lane = 16 v + j
-      panel_lane(n, gated, d, p, lane);
-      for (int64_t kp = 0; kp < K2; ++kp) dst[(p * K2 + kp) * kPanel + lane] = src[n * K2 + kp];
-    }
-  });
-  return out;
-}
-
-enum Epilogue { kPlain, kGatedSplit, kGatedSilu, kPlainFloat };
-
-#ifdef ASERVE_GEMM
-
-// The R x 48 float sums of a tile into `out`. kPlain: columns [0, cols) (+ bias) as bf16;
-// kPlainFloat: the same bf16 values as float32 (whole lines by streaming stores). A gated
-// panel's 24 gate and 24 up sums of outputs [0, cols): kGatedSplit stores both as bf16 (up at
-// column d), kGatedSilu stores bf16(bf16(silu(g)) * u) with g, u rounded to bf16 first: the
-// arithmetic of storing gate_up and applying `silu_and_mul`, bit for bit.
-template <int R, int E>
-static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
-                              int64_t cols, int64_t d, const at::BFloat16* bias) {
-  if (E == kPlain || E == kPlainFloat) {
-    for (int v = 0; v < kVecs && 16 * v < cols; ++v) {
-      const __mmask16 m = tail_mask(cols - 16 * v);
-      const __m512 bv = bias != nullptr ? load_bf16(bias + 16 * v, m) : _mm512_setzero_ps();
-      for (int r = 0; r < R; ++r) {
-        const __m512 y = _mm512_add_ps(acc[r][v], bv);
-        if (E == kPlain) {
-          store_bf16(static_cast<at::BFloat16*>(out) + r * ldc + 16 * v, y, m);
-          continue;
-        }
-        float* f = static_cast<float*>(out) + r * ldc + 16 * v;  // the bf16 value as float32
-        if (m == 0xFFFF && (reinterpret_cast<uintptr_t>(f) & 63) == 0)
-          _mm512_stream_ps(f, round_bf16(y));  // whole lines: no read for ownership
-        else
-          _mm512_mask_storeu_ps(f, m, round_bf16(y));
-      }
-    }
-    return;
-  }
-  at::BFloat16* c = static_cast<at::BFloat16*>(out);
-  for (int r = 0; r < R; ++r) {
-    at::BFloat16* row = c + r * ldc;
-    // outputs 0..15: vectors 0 and 1; 16..23: the halves of vector 2 (up's swapped down)
-    const __m512 gate[2] = {acc[r][0], acc[r][2]};
-    const __m512 up[2] = {acc[r][1], _mm512_shuffle_f32x4(acc[r][2], acc[r][2], 0x4E)};
-    for (int i = 0; i < 2 && 16 * i < cols; ++i) {
-      const __mmask16 m = tail_mask(std::min<int64_t>(cols - 16 * i, 16 - 8 * i));
-      const __m512 g = round_bf16(gate[i]), u = round_bf16(up[i]);
-      if (E == kGatedSplit) {
-        store_bf16(row + 16 * i, g, m);
-        store_bf16(row + d + 16 * i, u, m);
-      } else {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(row + 16 * i, _mm512_mul_ps(act, u), m);
-      }
-    }
-  }
-}
-
-// c[0:R, 0:cols] = a[0:R, :] @ panel, stored by epilogue E; R <= 8 rows of a (stride lda).
-template <int R, int E>
-static void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t K2,
-                 void* c, int64_t ldc, int64_t cols, int64_t d,
-                 const at::BFloat16* bias) {
-  __m512 acc[R][kVecs];
-  ASERVE_UNROLL for (int r = 0; r < R; ++r)
-    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int32_t* a32 = reinterpret_cast<const int32_t*>(a);
-  const int64_t lda32 = lda / 2;
-  for (int64_t kp = 0; kp < K2; ++kp) {
-    __m512i b[kVecs];
-    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
-      b[v] = _mm512_loadu_si512(panel + (kp * kVecs + v) * 32);
-    ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_set1_epi32(a32[r * lda32 + kp]);
-      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
-        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)x, (__m512bh)b[v]);
-    }
-  }
-  store_tile<R, E>(acc, c, ldc, cols, d, bias);
-}
-
-using Tile = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, void*, int64_t,
-                      int64_t, int64_t, const at::BFloat16*);
-#define ASERVE_TILES(E)                                                              \
-  {nullptr, tile<1, E>, tile<2, E>, tile<3, E>, tile<4, E>, tile<5, E>, tile<6, E>,   \
-   tile<7, E>, tile<8, E>}
-static const Tile kTiles[4][kRows + 1] = {ASERVE_TILES(kPlain), ASERVE_TILES(kGatedSplit),
-                                          ASERVE_TILES(kGatedSilu), ASERVE_TILES(kPlainFloat)};
-#undef ASERVE_TILES
-#endif
-
-// y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
-// y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits: whole lines
-// go out with streaming stores, since a [64, 49152] float32 output fits no cache); for a
-// gated pack, 1 (kGatedSplit) y [M, N] = [gate | up], or 2 (kGatedSilu) y [M, N / 2] =
-// silu(gate) * up.
-torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
-                          c10::optional<torch::Tensor> bias, int64_t epilogue) {
-  TORCH_CHECK(gemm_supported(), "cpu_gemm.linear: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "cpu_gemm.linear: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 3 && (epilogue % 3 == 0 || N % 2 == 0),
-              "cpu_gemm.linear: epilogue 0 / 3, or 1 / 2 for a gated weight");
-  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, panels = packed.size(0);
-  const bool gated = epilogue == kGatedSplit || epilogue == kGatedSilu;
-  const int64_t d = N / 2, width = gated ? kHalf : kPanel;  // outputs per panel
-  TORCH_CHECK(packed.size(1) == K2 && panels * width >= (gated ? d : N),
-              "cpu_gemm.linear: shapes");
-  TORCH_CHECK(!bias.has_value() || (!gated && bias->scalar_type() == at::kBFloat16 &&
-                                    bias->is_contiguous() && bias->numel() == N),
-              "cpu_gemm.linear: a contiguous bf16 bias of N values (plain epilogue only)");
-  const int64_t ldc = epilogue == kGatedSilu ? d : N;
-  auto y = torch::empty({M, ldc}, x.options().dtype(epilogue == kPlainFloat ? at::kFloat
-                                                                             : at::kBFloat16));
-#ifdef ASERVE_GEMM
-  const at::BFloat16* a = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  char* c = static_cast<char*>(y.data_ptr());
-  const int64_t item = y.element_size();
-  const Tile* tiles = kTiles[epilogue];
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
-      const int64_t cols = std::min(width, (gated ? d : N) - p * width);
-      const at::BFloat16* panel = w + p * K2 * kPanel * 2;
-      for (int64_t m = m0; m < std::min(M, m0 + kRowBlock); m += kRows) {
-        const int64_t rows = std::min(kRows, M - m);
-        tiles[rows](a + m * K, K, panel, K2, c + (m * ldc + p * width) * item, ldc, cols, d,
-                    b == nullptr ? nullptr : b + p * kPanel);
-      }
-    }
-    _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
-  });
-#endif
-  return y;
-}
-"""
-
-
-FUNCTIONS = ["gemm_supported", "gemm_pack", "gemm_linear"]
-
 
 def _module():
-    return cpu_simd.load()
+    return cpu_extension.load()
 
 
 def available() -> bool:

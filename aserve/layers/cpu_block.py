@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from aserve.kernels import cpu_layer, cpu_simd
+from aserve.kernels import cpu_extension, cpu_layer
 from aserve.kernels.cpu_attention import RowPlan, cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight
 
@@ -30,7 +30,7 @@ class CpuDecoderBlock:
         assert len(sizes) == len(cpu_layer.SIZES) - 1  # rows: per step
         self.weights, self.sizes = weights, sizes
         self.eps, self.scale, self.soft_cap = eps, scale, soft_cap
-        self.module = cpu_simd.load()
+        self.module = cpu_extension.load()
 
     @classmethod
     def of(cls, layer) -> CpuDecoderBlock | None:

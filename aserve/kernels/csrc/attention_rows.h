@@ -1,0 +1,200 @@
+// Attention on CPU for every row of a batch, bf16 + AVX-512, reading K/V straight from the paged
+// cache (the C++ of aserve/kernels/cpu_attention.py):
+//
+//   attend_rows     tiles of up to ROW_TILE query rows of one request (a decode row is a tile of
+//                   one; a prefill chunk, with or without cached context, is cut into tiles)
+//   store_kv        this step's K/V rows into their slots
+//   rows_supported  whether attend_rows runs here for q
+//
+// One task per (tile, kv head) serves the tile's rows x G = Hq / Hkv query heads at once, so each
+// K/V row is read once per task; row j of a tile attends the first len0 + j keys of its sequence:
+//
+//   block_table[r] = [7, 2, 5]   seq_len = 10, block_size = 4
+//   keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
+//   a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
+//
+// The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
+// weighted sum of values with its sums in registers) is the register tiles of attention_tiles.h.
+// Blocks are scattered in memory, so the score pass fetches the K and V rows 32 keys ahead into
+// L2, each task the first rows of the next, and threads claim tasks one at a time, costliest
+// first (cpu_attention.plan_tiles orders them). 64 x 192-key decode rows, one smol layer with the
+// cache in DRAM: 0.64 -> 0.46 ms (benchmarks/attention.py).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attention_tiles.h"
+#include "simd.h"
+
+#ifdef ASERVE_AVX512
+// bf16 attention over the paged cache for tiles of query rows, head_dim a multiple of 16 (at
+// most 256). Tile i = tiles[i] = (request, first row, rows, keys of its first row): row j of the
+// tile attends the first len0 + j keys of its sequence (the causal rule of a prefill chunk; a
+// decode row is a tile of one). One task per (tile, kv head) serves the tile's rows x G query
+// heads together, so each K/V row is read once per task: scores, softmax and weighted values
+// by the register tiles of attention_tiles.h. The first pass over the keys fetches K and V
+// rows ahead, and each task the first rows of the next.
+static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
+                              const at::BFloat16* vc, const int32_t* table,
+                              const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
+                              int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                              int64_t table_stride, int64_t q_stride, float scale,
+                              int64_t window, float soft_cap) {
+  const int64_t group = hq / hkv, words = (d + 31) / 32;
+  __mmask32 masks[8];
+  for (int64_t w = 0; w < words; ++w) masks[w] = word_mask(d - 32 * w);
+  // Tasks differ in cost (a prefill tile against a decode row): threads claim them one at a
+  // time, in the order given (plan_tiles puts the costly ones first).
+  const int64_t num_tasks = num_tiles * hkv;
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf, scores, inv;
+    std::vector<int64_t> offs, lo, hi;
+    std::vector<__m512i> qw;
+    std::vector<at::BFloat16*> outs;
+    // The K and V rows of a task's first kAhead keys, fetched while the task before it runs.
+    const auto fetch_first = [&](int64_t task) {
+      const int64_t* tile = tiles + 4 * (task / hkv);
+      const int64_t h = task % hkv, len0 = tile[3];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t last = std::min(first + kAhead, len0 + tile[2] - 1);
+      const int32_t* blocks = table + tile[0] * table_stride;
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t off = ((static_cast<int64_t>(blocks[t / bs]) * bs + t % bs) * hkv + h) * d;
+        fetch_row(kc + off, d);
+        fetch_row(vc + off, d);
+      }
+    };
+    int64_t task = claimed.fetch_add(1);
+    if (task < num_tasks) fetch_first(task);
+    for (int64_t following; task < num_tasks; task = following) {
+      following = claimed.fetch_add(1);
+      if (following < num_tasks) fetch_first(following);
+      const int64_t* tile = tiles + 4 * (task / hkv);
+      const int64_t h = task % hkv;
+      const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
+      const int64_t nq = rows * group;  // query j * group + g: row row0 + j, head h * group + g
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
+      const int32_t* blocks = table + r * table_stride;
+      offs.resize(n);
+      for (int64_t t = 0, j = first / bs, o = first % bs; t < n; ++j, o = 0)
+        for (const int64_t base = static_cast<int64_t>(blocks[j]) * bs; o < bs && t < n; ++o)
+          offs[t++] = ((base + o) * hkv + h) * d;
+      lo.resize(nq);
+      hi.resize(nq);
+      outs.resize(nq);
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t len = len0 + j;
+        for (int64_t g = 0; g < group; ++g) {
+          lo[j * group + g] = (window > 0 ? std::max<int64_t>(0, len - window) : 0) - first;
+          hi[j * group + g] = len - first;
+          outs[j * group + g] = out + ((row0 + j) * hq + h * group + g) * d;
+        }
+      }
+      scores.resize(nq * n);
+#ifdef __AVX512BF16__
+      // bf16 pairs straight into dpbf16 (exact products, float32 sums); scaled afterwards
+      qw.resize(nq * words);
+      for (int64_t j = 0; j < nq; ++j) {
+        const at::BFloat16* qj =
+            q + (row0 + j / group) * q_stride + (h * group + j % group) * d;
+        for (int64_t w = 0; w < words; ++w)
+          qw[j * words + w] = _mm512_maskz_loadu_epi16(masks[w], qj + 32 * w);
+      }
+      const int64_t qc = pass_queries(words);
+      for (int64_t j0 = 0; j0 < nq; j0 += qc)
+        kScores[words][std::min(qc, nq - j0)](kc, vc, offs.data(), n, &qw[j0 * words], masks,
+                                              &hi[j0], scale, soft_cap, &scores[j0 * n], n, d,
+                                              j0 == 0);
+#else
+      qf.resize(nq * d);  // float32 queries, pre-scaled
+      for (int64_t j = 0; j < nq; ++j) {
+        const at::BFloat16* qj =
+            q + (row0 + j / group) * q_stride + (h * group + j % group) * d;
+        for (int64_t i = 0; i < d; i += 16)
+          _mm512_storeu_ps(&qf[j * d + i], _mm512_mul_ps(load_bf16(qj + i), _mm512_set1_ps(scale)));
+      }
+      qk_scores_f32(kc, vc, offs.data(), n, qf.data(), nq, d, hi.data(), soft_cap, scores.data(),
+                    n);
+#endif
+      inv.resize(nq);
+      softmax_rows(scores.data(), n, nq, lo.data(), hi.data(), inv.data());
+      for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
+        const int64_t nt = std::min(kQueryTile, nq - j0), wp = pass_words(nt);
+        // keys past the last query's range carry probability 0 for all: skip them
+        const int64_t nk = *std::max_element(hi.begin() + j0, hi.begin() + j0 + nt);
+        for (int64_t w0 = 0; w0 < words; w0 += wp)
+          kWeighted[nt][std::min(wp, words - w0)](vc, offs.data(), nk, &scores[j0 * n], n, w0,
+                                                  masks, &inv[j0], &outs[j0]);
+      }
+    }
+  });
+}
+#endif
+
+// Whether attend_rows runs here for q [T, Hq, D] (bf16, head_dim % 16 == 0, AVX-512).
+bool rows_supported(torch::Tensor q) {
+#ifdef ASERVE_AVX512
+  return q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0 &&
+         q.size(2) <= 256;
+#else
+  return false;
+#endif
+}
+
+// Attention for every row of the tiles (see attend_tiles_bf16): q [T, Hq, D] (rows may be
+// strided: a split of the qkv projection's output), caches [NB, BS, Hkv, D], block_table [R, M]
+// int32, tiles [N, 4] int64, out [T, Hq, D].
+void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor block_table, torch::Tensor tiles, torch::Tensor out, double scale,
+                 int64_t window, double soft_cap) {
+  TORCH_CHECK(rows_supported(q), "attend_rows: bf16 q [T, Hq, D] with D % 16 == 0 (D <= 256)");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && out.is_contiguous() && block_table.is_contiguous() &&
+              tiles.is_contiguous(), "contiguous tensors needed (q: contiguous heads)");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && tiles.scalar_type() == at::kLong,
+              "int32 block_table and int64 tiles needed");
+#ifdef ASERVE_AVX512
+  attend_tiles_bf16(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                    v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
+                    tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
+                    q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
+                    q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap));
+#endif
+}
+
+// k_cache/v_cache rows [NB * BS, Hkv, D] at slot s = key/value [T, Hkv, D] row t for every
+// slot_mapping[t] = s >= 0 (rows may be strided; each row's Hkv * D values contiguous).
+void store_kv(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+              torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+              value.scalar_type() == v_cache.scalar_type(), "store_kv: cache dtype mismatch");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+              value.stride(1) == value.size(2) && k_cache.is_contiguous() &&
+              v_cache.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "store_kv: rows of contiguous heads and int64 slots needed");
+  const int64_t num = key.size(0), row = key.size(1) * key.size(2);
+  const int64_t bytes = row * key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* kd = static_cast<char*>(k_cache.data_ptr());
+  char* vd = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(key.data_ptr());
+  const char* vs = static_cast<const char*>(value.data_ptr());
+  const int64_t kstride = key.stride(0) * key.element_size();
+  const int64_t vstride = value.stride(0) * value.element_size();
+  const int64_t capacity = k_cache.numel() / row;  // slots in the cache
+  for (int64_t t = 0; t < num; ++t) {
+    if (slots[t] < 0) continue;
+    TORCH_CHECK(slots[t] < capacity, "store_kv: slot ", slots[t], " past the cache's ", capacity);
+    std::memcpy(kd + slots[t] * bytes, ks + t * kstride, bytes);
+    std::memcpy(vd + slots[t] * bytes, vs + t * vstride, bytes);
+  }
+}

@@ -1,0 +1,35 @@
+// aserve's one CPU extension: every CPU kernel in one translation unit, so that torch's headers
+// are parsed once (aserve/kernels/cpu_extension.py builds and loads it). The headers hold the
+// kernels; this file binds the functions Python calls.
+//
+// Each binding goes through torch::wrap_pybind_function, so a TORCH_CHECK failure reaches Python
+// as a RuntimeError carrying its message (what load_inline's bindings did).
+#include <torch/extension.h>
+
+// A fixed order (each header includes what it needs itself, so any order would compile).
+// clang-format off
+#include "simd.h"
+#include "paged_decode.h"
+#include "attention_tiles.h"
+#include "attention_rows.h"
+#include "elementwise.h"
+#include "gemm.h"
+#include "decoder_layer.h"
+// clang-format on
+
+#define ASERVE_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  ASERVE_DEF(paged_decode);
+  ASERVE_DEF(attend_rows);
+  ASERVE_DEF(rows_supported);
+  ASERVE_DEF(store_kv);
+  ASERVE_DEF(rms_norm);
+  ASERVE_DEF(rope);
+  ASERVE_DEF(silu_and_mul);
+  ASERVE_DEF(argmax_rows);
+  ASERVE_DEF(gemm_supported);
+  ASERVE_DEF(gemm_pack);
+  ASERVE_DEF(gemm_linear);
+  ASERVE_DEF(decoder_layer);
+}

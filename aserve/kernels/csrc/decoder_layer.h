@@ -1,0 +1,65 @@
+// A pre-norm decoder layer (attention, then a gated-SiLU MLP: the Llama family's) in ONE call on
+// the CPU bf16 path (the C++ of aserve/kernels/cpu_layer.py): the kernels the layer's modules
+// would call one by one from Python, called in the same order on the same tensors, so the result
+// is bit-identical and only the glue between them goes.
+//
+//   residual += hidden; x = norm(residual)      (first layer: residual = hidden; x = norm(hidden))
+//   qkv = x Wqkv^T (+ b); RoPE on q and k in place; K/V stored; attn = attention(q) over the cache
+//   o = attn Wo^T (+ b); residual += o; x = norm(residual)
+//   out = (silu(x Wgate^T) * (x Wup^T)) Wdown^T (+ b)              -> [out, residual]
+//
+// The list arguments are in the orders of cpu_layer.py's WEIGHTS, PLAN and SIZES; an absent bias
+// is an empty tensor.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "attention_rows.h"
+#include "elementwise.h"
+#include "gemm.h"
+
+static inline c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
+  return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// See cpu_layer.py: the ops of one decoder layer, in order, with no Python between them.
+std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor residual,
+                                         torch::Tensor positions, std::vector<torch::Tensor> w,
+                                         std::vector<torch::Tensor> plan,
+                                         std::vector<int64_t> n, double eps, double scale,
+                                         double soft_cap) {
+  enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kDown, kDownBias, kCos, kSin,
+         kKCache, kVCache, kWeights };
+  enum { kQkvOut, kOOut, kGateUpOut, kDownOut, kHeads, kKvHeads, kHeadDim, kRotary, kWindow,
+         kRows, kSizes };
+  TORCH_CHECK(w.size() == kWeights && plan.size() == 3 && n.size() == kSizes,
+              "decoder_layer: weights, plan and sizes as cpu_layer.py lists them");
+  torch::Tensor x;
+  if (residual.numel() == 0) {  // first layer: the residual stream starts as the embeddings
+    residual = hidden;
+    x = hidden.clone();
+    rms_norm(x, c10::nullopt, w[kInNorm], eps);
+  } else {
+    x = hidden;
+    rms_norm(x, residual, w[kInNorm], eps);
+  }
+  const int64_t T = x.size(0), hq = n[kHeads], hkv = n[kKvHeads], d = n[kHeadDim];
+  torch::Tensor qkv = gemm_linear(x, w[kQkv], n[kQkvOut], bias_of(w[kQkvBias]), kPlain);
+  rope(positions, qkv.narrow(1, 0, (hq + hkv) * d), w[kCos], w[kSin], d, n[kRotary]);
+  store_kv(qkv.narrow(1, hq * d, hkv * d).view({T, hkv, d}),
+           qkv.narrow(1, (hq + hkv) * d, hkv * d).view({T, hkv, d}), w[kKCache], w[kVCache],
+           plan[2]);
+  torch::Tensor attn = torch::empty({T, hq, d}, x.options());
+  if (n[kRows] < T) attn.narrow(0, n[kRows], T - n[kRows]).zero_();  // padding rows
+  if (plan[1].size(0) > 0)
+    attend_rows(qkv.narrow(1, 0, hq * d).view({T, hq, d}), w[kKCache], w[kVCache], plan[0],
+                plan[1], attn, scale, n[kWindow], soft_cap);
+  torch::Tensor o = gemm_linear(attn.view({T, hq * d}), w[kO], n[kOOut], bias_of(w[kOBias]),
+                                kPlain);
+  rms_norm(o, residual, w[kPostNorm], eps);
+  torch::Tensor act = gemm_linear(o, w[kGateUp], n[kGateUpOut], c10::nullopt, kGatedSilu);
+  return {gemm_linear(act, w[kDown], n[kDownOut], bias_of(w[kDownBias]), kPlain), residual};
+}
