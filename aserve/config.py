@@ -1,7 +1,8 @@
 """Frozen configuration dataclasses shared by every package.
 
 `SchedulerConfig` and `CacheConfig` hold numbers only: they are what `aserve/core` sees.
-`ModelConfig` names files and dtypes and is read by the model side only.
+`ModelConfig` names files and dtypes and is read by the model side only; `DistributedConfig`
+places one rank.
 """
 
 from __future__ import annotations
@@ -67,3 +68,19 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     # The platform's step token budget, for an engine given none.
     default_max_num_batched_tokens: int = 4096
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Where this process sits: `rank` of `world_size` (`local_rank` on its node), TCP
+    rendezvous at rank 0's address."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
+    timeout_s: float = 600.0
+    tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split

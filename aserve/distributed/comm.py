@@ -2,15 +2,15 @@
 
     rank 0 (the process the user started)      ranks 1..N-1 (workers)
     scheduler, HTTP, engine thread             no scheduler: they loop on control messages
-        │  send_control(("step", inputs)) ──────────► run the same forward on their shard
+        │  send_control(RunStep(inputs)) ──────────► run the same forward on their shard
         │  collectives inside the model (all-reduce, all-gather) pair up rank by rank
         │  pipeline stages: hidden states sent stage to stage, logits back to rank 0
 
 `init_distributed` joins the world through a TCP rendezvous (rank 0's address and port), makes
 the tensor-parallel group (the whole world while pipeline parallelism is 1) and a gloo group for
 control messages, so that they travel over host memory even when the model's collectives use
-NCCL. Control messages are small tuples of ints and numpy arrays, pickled once per step, sent
-point to point without waiting for the receiver, so that rank 0 can start the next batch of a
+NCCL. Control messages are the frozen dataclasses of `aserve.executor.messages` (ints and numpy
+arrays inside), pickled once per step, sent point to point without waiting for the receiver, so that rank 0 can start the next batch of a
 pipeline while later stages still run the previous one.
 """
 
@@ -19,32 +19,16 @@ from __future__ import annotations
 import datetime
 import pickle
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from aserve.config import DistributedConfig
 from aserve.distributed.state import get_tp_rank, get_tp_size, set_pp, set_tp
 
 _control_group: Any = None
 _pending: deque[tuple[Any, torch.Tensor]] = deque()  # sends in flight and their buffers
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """Where this process sits: `rank` of `world_size` (`local_rank` on its node), TCP
-    rendezvous at rank 0's address."""
-
-    rank: int
-    world_size: int
-    local_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
-    timeout_s: float = 600.0
-    tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
-    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split
 
 
 def init_distributed(config: DistributedConfig) -> None:

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from aserve.executor.spec import RankLayout, WorkerSpec
 
 
 @dataclass
@@ -68,6 +69,19 @@ class EngineArgs:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
                            served_model_name=self.served_model_name)
+
+    def worker_spec(self) -> WorkerSpec:
+        """What every rank builds."""
+        return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
+                          self.max_num_seqs)
+
+    def rank_layout(self) -> RankLayout:
+        """tp × pp ranks over `nnodes` nodes."""
+        partition = self.pp_layer_partition
+        return RankLayout(
+            self.tensor_parallel_size * self.pipeline_parallel_size, self.tensor_parallel_size,
+            self.nnodes, self.master_addr, self.master_port,
+            tuple(int(n) for n in partition.split(",")) if partition else None)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -37,41 +38,35 @@ from aserve.engine.messages import (
 )
 from aserve.executor import multiproc
 from aserve.executor.base import Executor
-from aserve.executor.multiproc import MultiprocExecutor, RankLayout, WorkerSpec, free_port
-from aserve.executor.uniproc import UniProcExecutor
+from aserve.executor.factory import make_executor
 
 logger = logging.getLogger(__name__)
 
 
-def rank_layout(args: EngineArgs) -> RankLayout:
-    partition = args.pp_layer_partition
-    return RankLayout(
-        args.tensor_parallel_size * args.pipeline_parallel_size, args.tensor_parallel_size,
-        args.nnodes, args.master_addr, args.master_port or free_port(),
-        tuple(int(n) for n in partition.split(",")) if partition else None)
-
-
-def worker_spec(args: EngineArgs) -> WorkerSpec:
-    return WorkerSpec(args.model_config(), args.block_size, args.device, args.enforce_eager,
-                      args.max_num_seqs)
-
-
-def make_executor(args: EngineArgs) -> Executor:
-    """One rank in this process, or tp × pp ranks (this node's others spawned)."""
-    if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
-        return UniProcExecutor(args.model_config(), args.block_size, args.device,
-                               args.enforce_eager, args.max_num_seqs)
-    return MultiprocExecutor(worker_spec(args), rank_layout(args))
-
-
 def run_worker_node(args: EngineArgs) -> None:
     """Node `args.node_rank` > 0 of a multi-node engine: run its ranks until node 0 stops."""
-    multiproc.run_worker_node(worker_spec(args), rank_layout(args), args.node_rank)
+    multiproc.run_worker_node(args.worker_spec(), args.rank_layout(), args.node_rank)
 
 
 class EngineCore:
+    """The scheduler and the executor of one engine.
+
+    `shutdown()` stops the executor (its worker thread, every rank, the process groups) once;
+    it also runs when the engine is garbage-collected and at interpreter exit, whichever comes
+    first, so that an engine dropped without a shutdown leaves nothing running behind it.
+    """
+
     def __init__(self, args: EngineArgs) -> None:
-        self.executor = make_executor(args)
+        self.executor: Executor = make_executor(args.worker_spec(), args.rank_layout())
+        # Holds the executor, not the engine: `del engine` can still collect the engine.
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        try:
+            self._init(args)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init(self, args: EngineArgs) -> None:
         self.model_info: ModelInfo = self.executor.model_info()
         if args.max_num_batched_tokens is None:
             args = replace(args, max_num_batched_tokens=(
@@ -157,7 +152,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.executor.shutdown()  # waits for a step in flight
+        """Stop the executor (waiting for a step in flight); once, whoever calls first."""
+        self._finalizer()
 
     def run_busy_loop(self, inbox: queue.SimpleQueue[Command],
                       publish: Callable[[EngineMessage], None]) -> None:

@@ -6,17 +6,23 @@ the engine can schedule the next step while this one runs (async scheduling); st
 one at a time, in submission order. Under pipeline parallelism
 (`max_batches_in_flight` > 1) the worker thread only starts a step (this stage's forward) and an
 "aserve-collector" thread waits for its logits and samples, so that up to one batch per stage is
-in flight. `_broadcast` reaches the other ranks (a no-op with one rank).
+in flight. `_broadcast` sends a rank message (`aserve.executor.messages`) to the other ranks
+(a no-op with one rank).
+
+`shutdown()` runs once, whoever calls it first (the engine's shutdown, a finalizer, interpreter
+exit); later calls return at once.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from aserve.config import ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from aserve.executor.messages import InitKVCache, ProfileRun, RankMessage
 from aserve.runner.worker import Worker
 
 T = TypeVar("T")
@@ -32,6 +38,8 @@ class Executor:
     def __init__(self) -> None:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="aserve-worker")
         self._collector: ThreadPoolExecutor | None = None
+        self._shutdown_lock = threading.Lock()
+        self.is_shut_down = False
         # Called (from any thread) when a rank dies; set by the engine thread.
         self.on_failure: Callable[[str], None] | None = None
 
@@ -46,8 +54,8 @@ class Executor:
         """
         return self._thread.submit(fn, *args, **kwargs).result()
 
-    def _broadcast(self, message: tuple[Any, ...]) -> None:
-        """Send a control message to ranks 1..N-1."""
+    def _broadcast(self, message: RankMessage) -> None:
+        """Send a rank message to ranks 1..N-1, in order, without waiting for them."""
         return None  # one rank: nobody to tell
 
     def model_info(self) -> ModelInfo:
@@ -68,11 +76,11 @@ class Executor:
         num_blocks = num_kv_blocks
         if num_blocks is None:
             if self.worker.needs_profiling(kv_cache_memory):
-                self._broadcast(("profile", max_num_batched_tokens, max_num_seqs))
+                self._broadcast(ProfileRun(max_num_batched_tokens, max_num_seqs))
             num_bytes = self.worker.kv_cache_bytes(kv_cache_memory, gpu_memory_utilization,
                                                    max_num_batched_tokens, max_num_seqs)
             num_blocks = min(self.worker.num_blocks_for_bytes(num_bytes), max_useful_blocks)
-        self._broadcast(("kv", num_blocks))
+        self._broadcast(InitKVCache(num_blocks))
         self.worker.initialize_kv_cache(num_blocks)
         return num_blocks
 
@@ -107,9 +115,17 @@ class Executor:
         return done
 
     def shutdown(self) -> None:
-        """Wait for the steps in flight, then stop the threads."""
+        """Wait for the steps in flight, then stop the threads and the ranks; once."""
+        with self._shutdown_lock:
+            if self.is_shut_down:
+                return
+            self.is_shut_down = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Stop this process's threads (a multi-rank executor also stops its ranks). Submits
+        nothing: at interpreter exit the pools take no new work."""
+        self._thread.shutdown(wait=True)  # every step started, and handed to the collector
         if self._collector is not None:
-            self._thread.submit(lambda: None).result()  # every start handed to the collector
             self._collector.shutdown(wait=True)
             self._collector = None
-        self._thread.shutdown(wait=True)

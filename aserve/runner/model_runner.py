@@ -55,8 +55,13 @@ class StartedStep:
 
 
 class ModelRunner:
+    """`publish_inputs`: rank 0 of several ranks hands each step's inputs to the others with it,
+    just before running them, so that every rank runs the same forward (None: one rank, or a
+    rank > 0, which receives its inputs instead)."""
+
     def __init__(self, model_config: ModelConfig, block_size: int, platform: Platform,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 publish_inputs: Callable[[PreparedInputs], None] | None = None) -> None:
         self.platform = platform
         self.device = device
         self.block_size = block_size
@@ -72,9 +77,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
-        # Set by a multi-rank executor: sends each step's inputs to the other ranks just before
-        # rank 0 runs them, so that every rank runs the same forward.
-        self.publish_inputs: Callable[[PreparedInputs], None] | None = None
+        self.publish_inputs = publish_inputs
 
     @property
     def num_kv_heads(self) -> int:

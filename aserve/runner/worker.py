@@ -11,6 +11,7 @@ the platform's default budget (CPU: host memory); else (GPUs) by profiling:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -21,6 +22,7 @@ from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import DistributedConfig, get_pp_size, init_distributed
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
+from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.kv_cache import kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
 
@@ -31,7 +33,8 @@ class Worker:
     def __init__(self, model_config: ModelConfig, block_size: int,
                  device: str | Platform = "auto", local_rank: int = 0,
                  enforce_eager: bool = False, max_num_seqs: int = 256,
-                 distributed: DistributedConfig | None = None) -> None:
+                 distributed: DistributedConfig | None = None,
+                 publish_inputs: Callable[[PreparedInputs], None] | None = None) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
@@ -43,7 +46,8 @@ class Worker:
         self.platform.reset_peak_memory()
         self.model_config = model_config
         self.block_size = block_size
-        self.runner = ModelRunner(model_config, block_size, self.platform, self.device)
+        self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
+                                  publish_inputs)
 
     def model_info(self) -> ModelInfo:
         arch = self.runner.arch

@@ -1,0 +1,66 @@
+"""The rank protocol: what rank 0 tells ranks 1..N-1, one frozen dataclass per message.
+
+    rank 0 (the executor)                               rank r > 0 (`serve_rank`)
+    ProfileRun(num_tokens, num_reqs) ─────────────────► the same profiling forward, no cache
+    InitKVCache(num_blocks)          ─────────────────► allocate the same cache (and graphs)
+    RunStep(inputs)                  ── per forward ──► the same forward on its own shard
+    Stop()                           ─────────────────► leave the process groups and exit
+
+Messages travel over the control channel (`aserve.distributed.send_control`, pickled once per
+message) in the order sent, and are dispatched by type (`handle`); a rank answers none of them:
+the model's own collectives (and pipeline sends) are where ranks meet. A new message is a new
+dataclass here plus its case in `handle`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aserve.runner.input_batch import PreparedInputs
+from aserve.runner.worker import Worker
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """Run the KV-cache sizing forward of the largest step, as rank 0 does."""
+
+    num_tokens: int
+    num_reqs: int
+
+
+@dataclass(frozen=True)
+class InitKVCache:
+    """Allocate a KV cache of `num_blocks` blocks (rank 0 sized it) and bind it."""
+
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """Run one step's forward on these inputs (rank 0 runs the same; only it samples)."""
+
+    inputs: PreparedInputs
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the process groups and exit."""
+
+
+RankMessage = ProfileRun | InitKVCache | RunStep | Stop
+
+
+def handle(worker: Worker, message: RankMessage) -> bool:
+    """Carry out one message on a rank > 0; False once it is told to stop."""
+    match message:
+        case RunStep(inputs):
+            worker.runner.run_model(inputs)
+        case InitKVCache(num_blocks):
+            worker.initialize_kv_cache(num_blocks)
+        case ProfileRun(num_tokens, num_reqs):
+            worker.runner.profile_run(num_tokens, num_reqs)
+        case Stop():
+            return False
+        case _:
+            raise TypeError(f"not a rank message: {message!r}")
+    return True

@@ -1,0 +1,78 @@
+"""What every executor is built from: `WorkerSpec` (what one rank builds) and `RankLayout` (how
+many ranks, where they meet). One process or many, the same spec builds every rank's `Worker`.
+
+Plain data, importable without torch (the CLI builds specs before anything loads a model):
+`build` imports the runner when it runs.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from aserve.config import DistributedConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from aserve.runner.input_batch import PreparedInputs
+    from aserve.runner.worker import Worker
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """The arguments of every rank's `Worker`."""
+
+    model_config: ModelConfig
+    block_size: int
+    device: str = "auto"
+    enforce_eager: bool = False
+    max_num_seqs: int = 256
+
+    def build(self, distributed: DistributedConfig | None = None,
+              publish_inputs: Callable[[PreparedInputs], None] | None = None) -> Worker:
+        """This rank's worker; `distributed` is None for a single rank, `publish_inputs` is
+        rank 0's way of handing each step's inputs to the others (None elsewhere)."""
+        from aserve.runner.worker import Worker
+
+        return Worker(self.model_config, self.block_size, self.device,
+                      local_rank=distributed.local_rank if distributed else 0,
+                      enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+                      distributed=distributed, publish_inputs=publish_inputs)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """How ranks are laid out: world = tp × pp ranks over `nnodes` nodes (rank = node × ranks
+    per node + local rank; stage = rank // tp), meeting at master_addr:master_port (None: a
+    free port of this machine, chosen when the ranks start)."""
+
+    world_size: int = 1
+    tp_size: int = 1
+    nnodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    pp_layer_partition: tuple[int, ...] | None = None
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def with_port(self) -> RankLayout:
+        """This layout with a port to meet at: its own, else a free one."""
+        return self if self.master_port is not None else replace(self, master_port=free_port())
+
+    def config(self, node_rank: int, local_rank: int) -> DistributedConfig:
+        if self.master_port is None:
+            raise ValueError("a rank layout needs a master port before ranks join (with_port)")
+        return DistributedConfig(node_rank * self.ranks_per_node + local_rank, self.world_size,
+                                 local_rank, self.master_addr, self.master_port,
+                                 tp_size=self.tp_size,
+                                 pp_layer_partition=self.pp_layer_partition)
