@@ -10,8 +10,8 @@
 the tensor-parallel group (the whole world while pipeline parallelism is 1) and a gloo group for
 control messages, so that they travel over host memory even when the model's collectives use
 NCCL. Control messages are the frozen dataclasses of `aserve.executor.messages` (ints and numpy
-arrays inside), pickled once per step, sent point to point without waiting for the receiver, so that rank 0 can start the next batch of a
-pipeline while later stages still run the previous one.
+arrays inside), pickled once per step, sent point to point without waiting for the receiver, so
+that rank 0 can start the next batch of a pipeline while later stages still run the previous one.
 """
 
 from __future__ import annotations
