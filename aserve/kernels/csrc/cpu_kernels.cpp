@@ -3,7 +3,7 @@
 // kernels; this file binds the functions Python calls.
 //
 // Each binding goes through torch::wrap_pybind_function, so a TORCH_CHECK failure reaches Python
-// as a RuntimeError carrying its message (what load_inline's bindings did).
+// as a RuntimeError carrying its message (as the inline-built extension's bindings did).
 #include <torch/extension.h>
 
 // A fixed order (each header includes what it needs itself, so any order would compile).
