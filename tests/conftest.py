@@ -39,6 +39,13 @@ def pytest_pycollect_makemodule(module_path: Path, parent):
     return None  # pytest's own Module collector
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """Every test under tests/parallel starts ranks (worker processes): mark it `spawns`."""
+    for item in items:
+        if TESTS / "parallel" in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.spawns)
+
+
 @pytest.fixture(scope="session")
 def model_dir_factory(tmp_path_factory) -> Callable[..., Path]:
     """`factory(arch="llama", **overrides) -> Path`, cached per (arch, overrides) for the session.

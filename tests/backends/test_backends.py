@@ -324,6 +324,7 @@ def test_eager_platforms_have_no_graph_to_cut():
     assert CpuPlatform().mark_step() is None
 
 
+@pytest.mark.spawns
 def test_importing_backends_or_selecting_cpu_does_not_import_torch_xla(tmp_path):
     """In a fresh interpreter where a (fake) torch_xla is importable; the probe proves it is."""
     package = tmp_path / "torch_xla"

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.spawns]  # runs benchmarks/throughput.py (~50 s)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers.server import free_port, wait_healthy
 
+pytestmark = pytest.mark.spawns  # python -m aserve and benchmarks/serve.py
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -66,6 +66,7 @@ def test_unsupported_extra_key_type_is_rejected() -> None:
         hash_block_tokens(None, [1], (object(),))
 
 
+@pytest.mark.spawns
 def test_hash_is_the_same_under_another_pythonhashseed() -> None:
     code = ("from aserve.core.hashing import hash_block_tokens as h; "
             "p = h(None, [1, 2, 3, 4], ('salt',)); print(p.hex(), h(p, [5, 6]).hex())")

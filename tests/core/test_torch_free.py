@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CORE = Path(__file__).resolve().parent
 ROOT = CORE.parents[1]
 
@@ -22,6 +24,7 @@ sys.exit(int(code))
 """
 
 
+@pytest.mark.spawns
 def test_core_tests_run_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)

@@ -135,6 +135,7 @@ def test_bfloat16_generates(model_dir_factory):
     assert len(out.outputs[0].token_ids) == 8
 
 
+@pytest.mark.spawns
 def test_cli_generates_offline(model_dir_factory):
     result = subprocess.run(
         [sys.executable, "-m", "aserve", "--model", model_dir_factory("llama"),

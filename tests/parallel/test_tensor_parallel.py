@@ -53,6 +53,7 @@ def test_parallel_greedy_matches_hf(model_dir_factory, case, layout):
         assert llm.stats().prefix_cache_hits > 0
 
 
+@pytest.mark.slow
 def test_tp2_pp2_greedy_matches_hf_under_preemption(model_dir_factory):
     """Four ranks: two stages of two tensor-parallel ranks each; a cache small enough to
     preempt."""

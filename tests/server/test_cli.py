@@ -22,6 +22,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.spawns
 def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -52,6 +53,8 @@ def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp
     assert f"serving tiny-cli on {url}" in log.read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.spawns
 def test_without_a_model_it_serves_the_built_in_demo_model():
     """The README's first command: `python -m aserve`, then a curl to /v1/completions."""
     port = free_port()
@@ -77,6 +80,7 @@ def test_without_a_model_it_serves_the_built_in_demo_model():
             proc.wait()
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("model", ["/nonexistent/model/dir", "no-such-org/no-such-model"])
 def test_unknown_model_offline_is_one_error_line_and_exit_2(model, tmp_path):
     result = run_cli("--model", model,
@@ -86,6 +90,7 @@ def test_unknown_model_offline_is_one_error_line_and_exit_2(model, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and model in lines[0]
 
 
+@pytest.mark.spawns
 def test_a_model_dir_without_weights_fails_with_one_error_line(model_dir_factory, tmp_path):
     broken = tmp_path / "no-weights"
     shutil.copytree(model_dir_factory("llama"), broken,

@@ -14,6 +14,8 @@ from helpers.server import serving, tiny_app
 
 from aserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 PROMPTS = ["Hello! How are you?", "The quick brown fox", "中文文本测试：你好", "Emoji 😀🎉"]
 
 

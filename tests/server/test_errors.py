@@ -9,6 +9,8 @@ from helpers.server import serving, tiny_app
 
 from aserve.server import ServerConfig
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None,
                  contains: str = "") -> None:

@@ -22,6 +22,8 @@ from pydantic import BaseModel
 from aserve.server import ServerConfig, responses
 from aserve.server.openapi import build_openapi
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 MODEL = "tiny"
 MAX_MODEL_LEN = 32  # bounds the cost of any max_tokens, or of its default
 MAX_N = 3  # the fuzzer's own caps (the server's limits are tested in test_limits.py)

@@ -97,6 +97,7 @@ def server_url(model_dir_factory):
         yield url
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("route, fields, param, words", OVER_LIMITS.values(),
                          ids=OVER_LIMITS.keys())
 def test_one_past_a_limit_is_a_400_naming_the_field(server_url, route, fields, param, words):
@@ -128,6 +129,7 @@ def test_a_request_at_the_limits_is_valid(cls, body):
     cls.model_validate_json(json.dumps(body))
 
 
+@pytest.mark.spawns
 def test_the_largest_n_and_stop_list_generate(server_url):
     body = COMPLETION | {"n": MAX_N, "stop": ["zz" * (MAX_STOP_CHARS // 2)] * MAX_STOP_STRINGS,
                          "ignore_eos": True, "seed": 1}
@@ -147,11 +149,13 @@ def chunks(body: bytes, size: int = 4096):
         yield body[start:start + size]
 
 
+@pytest.mark.spawns
 def test_a_body_at_the_size_limit_is_served(server_url):
     response = httpx.post(f"{server_url}/v1/completions", content=padded(BODY_LIMIT))
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("chunked", [False, True], ids=["content_length", "chunked"])
 def test_a_body_over_the_size_limit_is_a_413(server_url, chunked):
     body = padded(BODY_LIMIT + 1)
@@ -160,6 +164,7 @@ def test_a_body_over_the_size_limit_is_a_413(server_url, chunked):
     assert_error(response, 413, contains=f"larger than {BODY_LIMIT} bytes")
 
 
+@pytest.mark.spawns
 def test_the_server_still_serves_after_refusals(server_url):
     assert httpx.get(f"{server_url}/health").status_code == 200
     ok = httpx.post(f"{server_url}/v1/completions",

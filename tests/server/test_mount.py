@@ -10,6 +10,8 @@ import openai
 import pytest
 from helpers.server import serving
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 pytest.importorskip("fastapi")
 EXAMPLE = Path(__file__).parents[2] / "examples" / "mount_in_fastapi.py"
 

@@ -8,6 +8,8 @@ import pytest
 
 from aserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 
 @pytest.fixture(scope="module")
 def client(server_url) -> openai.OpenAI:

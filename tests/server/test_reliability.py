@@ -19,10 +19,13 @@ import threading
 import time
 
 import httpx
+import pytest
 from helpers.server import free_port, serving, tiny_app, wait_healthy
 
 from aserve.runner.worker import Worker
 from aserve.server import ServerConfig
+
+pytestmark = pytest.mark.spawns  # uvicorn servers, and python -m aserve processes
 
 
 def body(**extra) -> dict:

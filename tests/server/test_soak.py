@@ -35,6 +35,8 @@ from starlette.requests import ClientDisconnect
 
 from aserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.spawns  # a uvicorn server on a port
+
 NUM_REQUESTS = int(os.environ.get("ASERVE_SOAK_REQUESTS", "2000"))
 NUM_WARMUP_REQUESTS = 100
 CONCURRENCY = 16  # HTTP requests in flight; each is n (1-3) engine requests
