@@ -16,7 +16,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 # Test modules that must import without torch: they are collected without the Triton check below.
-TORCH_FREE = (TESTS / "core", TESTS / "test_layering.py")
+TORCH_FREE = (TESTS / "core", TESTS / "test_layering.py", TESTS / "test_layout.py")
 
 
 def _default_triton_interpret() -> None:
