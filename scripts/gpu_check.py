@@ -16,10 +16,10 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
 
     env              20 /  60  nvidia-smi, python, torch/triton/transformers/... versions,
                                torch's CUDA, the GPUs, the platform aserve picks
-    kernel_tests    130 / 240  pytest tests/test_kernels_triton.py tests/test_kernels_ref.py, then
-                               tests/test_graphs.py tests/unit (TRITON_INTERPRET unset off CPU):
-                               counts of passed/failed/..., the tail of the output
-    parity           90 / 300  tiny random llama and qwen3 (tests/hf_models.py): aserve greedy
+    kernel_tests    130 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py, then
+                               tests/runner/test_graphs.py tests/core (TRITON_INTERPRET unset
+                               off CPU): counts of passed/failed/..., the tail of the output
+    parity           90 / 300  tiny random llama and qwen3 (tests/helpers/): aserve greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
                                token (a mismatch fails); float16 / bfloat16: fraction of tokens
                                equal up to the first divergence, max |logprob diff| of the chosen
@@ -288,7 +288,7 @@ def first_divergence(got: list[int], expected: list[int]) -> int:
 
 def build_tiny_models(ctx: Context, archs: list[str]) -> dict[str, Path]:
     """The tests' tiny random-weight models (`make_hf_model` defaults, as `model_dir_factory`)."""
-    from hf_models import make_hf_model
+    from helpers.hf_models import make_hf_model
 
     return {arch: make_hf_model(ctx.root / arch, arch) for arch in archs}
 
@@ -376,8 +376,9 @@ def aserve_platform() -> str:
 # ---------------------------------------------------------------- kernel_tests
 
 PYTEST_RUNS = {  # name -> (test paths, share of the time left)
-    "kernels": (["tests/test_kernels_triton.py", "tests/test_kernels_ref.py"], 0.75),
-    "graphs_and_unit": (["tests/test_graphs.py", "tests/unit"], 1.0),
+    "kernels": (["tests/kernels/test_kernels_triton.py", "tests/kernels/test_kernels_ref.py"],
+                0.75),
+    "graphs_and_unit": (["tests/runner/test_graphs.py", "tests/core"], 1.0),
 }
 
 
@@ -414,7 +415,7 @@ def as_text(data: bytes | str | None) -> str:
 
 # ---------------------------------------------------------------- parity
 
-PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/test_parity.py
+PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/models/test_parity.py
 NUM_NEW = 32
 DTYPES = ["float32", "float16", "bfloat16"]
 
