@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from aserve.backends.attention import AttentionOps, attention_ops
+from aserve.backends.ops import REF_OPS, KernelOps
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,6 @@ class Platform(ABC):
         name: "cuda" | "rocm" | "xla" | "cpu", as spelled by `--device`.
         dist_backend: torch.distributed backend for process groups: "nccl" (RCCL on ROCm under
             the same name), "gloo" or "xla".
-        attention_backend: which paged-attention implementation the attention layer runs:
-            "triton" (the Triton kernels of `aserve/kernels`), "cpu" (the C++ kernel for bf16/fp16
-            decode rows, the torch reference otherwise) or "ref" (the torch reference only).
         supports_graphs: whether decode batches may be captured as CUDA/HIP graphs; such a
             platform also has `graph_pool()` (a memory pool every captured graph shares) and
             `capture_graph(fn, pool) -> (replay, output)` (capture the warmed-up `fn`; each
@@ -66,13 +63,14 @@ class Platform(ABC):
         - `mem_info(device)` is (free_bytes, total_bytes) right now, free <= total, both ints.
         - `synchronize(device)` returns once queued work on the device has finished.
         - `empty_cache()` hands cached, unused device memory back; a no-op where there is none.
+        - `kernel_ops(dtype)` is every kernel the layers run for activations of `dtype`, one
+          frozen `KernelOps` (see `aserve.backends.ops`); the runner binds it to the model once.
         - `default_kv_cache_bytes()` is a KV-cache budget for platforms that cannot size the cache
           by profiling device memory, or None where the runner should profile.
     """
 
     name: ClassVar[str]
     dist_backend: ClassVar[str]
-    attention_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
     static_shapes: ClassVar[bool] = False
     # The engine step's token budget when the user gives none (--max-num-batched-tokens).
@@ -123,17 +121,10 @@ class Platform(ABC):
         random.seed(seed)
         torch.manual_seed(seed)
 
-    def attention_ops(self, dtype: torch.dtype) -> AttentionOps:
-        """The store-KV and paged-attention kernels the attention layers run for `dtype`."""
-        return attention_ops(self.attention_backend, dtype)
-
-    def prepare_kernels(self, dtype: torch.dtype) -> None:
-        """Build or load compiled kernels now, at start-up, not in the middle of a request."""
-        return None  # the default: nothing to build
-
-    def prepacks_weights(self, dtype: torch.dtype) -> bool:
-        """Whether linear weights are repacked into the platform's GEMM layout after loading."""
-        return False
+    def kernel_ops(self, dtype: torch.dtype) -> KernelOps:
+        """The kernels the layers run for activations of `dtype` (the default: the torch
+        references). Compiles what must be compiled now, at start-up, not mid-request."""
+        return REF_OPS
 
     def reset_peak_memory(self) -> None:
         """Start counting `peak_memory_bytes` from now."""

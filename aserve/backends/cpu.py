@@ -1,4 +1,4 @@
-"""The CPU platform: host memory, gloo collectives, the C++/reference attention, no graphs.
+"""The CPU platform: host memory, gloo collectives, the C++ kernels of `cpu_ops`, no graphs.
 
 Memory comes from /proc/meminfo (MemAvailable, MemTotal), capped by the memory limit of the
 cgroup this process sits in (a container's limit, v2 or v1), with `os.sysconf` as the fallback
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from aserve.backends.base import Platform, Probe
+from aserve.backends.ops import KernelOps
 
 GiB = 1 << 30
 MAX_DEFAULT_KV_CACHE_BYTES = 2 * GiB
@@ -27,12 +28,12 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     dist_backend = "gloo"
-    attention_backend = "cpu"
 
     def __init__(self, meminfo: Path | str = "/proc/meminfo",
                  cgroup: Path | str = "/sys/fs/cgroup") -> None:
         self.meminfo = Path(meminfo)
         self.cgroup = Path(cgroup)
+        self._ops: dict[torch.dtype, KernelOps] = {}
 
     @staticmethod
     def probe() -> Probe:
@@ -53,25 +54,20 @@ class CpuPlatform(Platform):
             free = min(free, max(limit[0] - limit[1], 0))
         return min(free, total), total
 
-    def prepare_kernels(self, dtype: torch.dtype) -> None:
-        """Build (or load from the torch extensions cache) the C++ kernels for bf16/fp16."""
-        if dtype != torch.float32:
-            from aserve.kernels import cpu_fused
-            from aserve.kernels.paged_attention_cpu import load_kernel
+    def kernel_ops(self, dtype: torch.dtype) -> KernelOps:
+        """See `cpu_ops`: the C++ extension's kernels (built, or loaded from the torch
+        extensions cache, on the first call) where they apply, the references elsewhere."""
+        if dtype not in self._ops:
+            from aserve.backends.cpu_ops import cpu_kernel_ops
 
-            load_kernel()
-            cpu_fused.load()
+            self._ops[dtype] = cpu_kernel_ops(dtype)
+        return self._ops[dtype]
 
     # GEMMs reach ~90 % of their 8192-row rate at 128-512 rows here; a wave of 8 prompts of
     # 128 tokens then gets its first tokens over 2 steps instead of one 1024-token step
     # (serve c=8, smol bf16: TTFT p50 449 ms vs 723 ms, same throughput; offline 64 x 128:
     # 532 vs 529 tok/s with 4096; 256 gave TTFT 315 ms but offline -4 %).
     default_max_num_batched_tokens = 512
-
-    def prepacks_weights(self, dtype: torch.dtype) -> bool:
-        """bf16/fp16 weights go into oneDNN's packed layout; fp32 stays as loaded (bit-equal
-        to transformers)."""
-        return dtype != torch.float32
 
     def default_kv_cache_bytes(self) -> int:
         """2 GiB (zero-filling more delays the start: ~0.6 s per GiB here), or half the memory

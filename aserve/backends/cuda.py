@@ -1,4 +1,4 @@
-"""The CUDA platform: NVIDIA GPUs through torch's CUDA build, NCCL, Triton attention, graphs.
+"""The CUDA platform: NVIDIA GPUs through torch's CUDA build, NCCL, Triton kernels, graphs.
 
 ROCm builds of torch also answer to `torch.cuda`; they get `rocm.py`, which subclasses this.
 """
@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 
 from aserve.backends.base import Platform, Probe
+from aserve.backends.ops import KernelOps
+from aserve.backends.triton_ops import triton_kernel_ops
 
 
 class CudaPlatform(Platform):
@@ -17,7 +19,6 @@ class CudaPlatform(Platform):
 
     name = "cuda"
     dist_backend = "nccl"
-    attention_backend = "triton"
     supports_graphs = True
 
     @staticmethod
@@ -62,6 +63,10 @@ class CudaPlatform(Platform):
         with torch.cuda.graph(graph, pool=pool):
             out = fn()
         return graph.replay, out
+
+    def kernel_ops(self, dtype: torch.dtype) -> KernelOps:
+        """The Triton kernels (`triton_ops`)."""
+        return triton_kernel_ops(dtype)
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats()

@@ -2,9 +2,10 @@
 
 torch_xla is imported lazily, inside `probe()` and the methods, never at module import: importing
 `aserve.backends` must not pull it in. PJRT gives each process one device, so a rank's device is
-whatever the runtime assigned to its process. Attention runs the torch reference kernels; random
-draws are made on the host (torch_xla has no `torch.Generator`) and copied over. On PJRT's CPU
-device, which only an explicit `--device xla` gets, memory and the KV-cache budget are the host's.
+whatever the runtime assigned to its process. Every kernel is the torch reference (`REF_OPS`);
+random draws are made on the host (torch_xla has no `torch.Generator`) and copied over. On
+PJRT's CPU device, which only an explicit `--device xla` gets, memory and the KV-cache budget
+are the host's.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class XlaPlatform(Platform):
 
     name = "xla"
     dist_backend = "xla"
-    attention_backend = "ref"
     static_shapes = True
     supports_inference_mode = False
 

@@ -2,7 +2,7 @@
 in the extension of `cpu_extension.load`), reading K/V straight from the paged cache: no gathered
 copy of any sequence.
 
-    cpu_attention_forward   the layer's entry (AttentionOps.forward): store this step's K/V,
+    cpu_attention_forward   the layer's entry (KernelOps.attention_forward): store this step's K/V,
                             then attend for every row of the batch, two C++ calls per layer
     attend_rows (C++)       tiles of up to ROW_TILE query rows of one request (a decode row is a
                             tile of one; a prefill chunk, with or without cached context, is cut

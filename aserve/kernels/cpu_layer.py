@@ -13,7 +13,7 @@ views, argument checks; ~2.5 ms per step of smol's 30 layers).
 
 `weights` / `plan` / `sizes` are lists in the orders of `WEIGHTS`, `PLAN` and `SIZES` below; an
 absent bias is an empty tensor. The Python side that fills them from a layer's modules, and
-falls back to them where this does not apply, is `aserve.layers.cpu_block`.
+falls back to them where this does not apply, is `aserve.backends.cpu_block`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends over it.
 
 The runner allocates each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-and binds it, with the kernels the platform chose (`aserve.backends.attention`), through
-`bind_kv_cache`; until then (memory profiling) the layer runs plain causal attention inside each
-request's rows. The layer itself never asks which device it is on.
+and binds it through `bind_kv_cache`; until then (memory profiling) the layer runs plain causal
+attention inside each request's rows. Its kernels (`store_kv`, `paged_attention`, or
+`attention_forward` for both) are the bound `self.ops`; the layer never asks which device it is
+on.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from aserve.backends.attention import AttentionOps
+from aserve.layers.bind import OpsLayer
 
 
 @dataclass
@@ -40,7 +40,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # What a kernel plans once per step and every layer reuses (see AttentionOps.forward).
+    # What a kernel plans once per step and every layer reuses (see KernelOps.attention_forward).
     kernel_plan: object = None
 
     @property
@@ -72,7 +72,7 @@ class AttentionMetadata:
             query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
 
 
-class Attention(nn.Module):
+class Attention(OpsLayer):
     """Multi-head attention core over the paged KV cache: q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D].
 
     GQA when num_heads > num_kv_heads. `sliding_window`: keys more than that many positions
@@ -87,11 +87,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
         self.kv_cache: torch.Tensor | None = None  # [2, NB, BS, Hkv, D], bound by the runner
-        self.ops: AttentionOps | None = None
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor, ops: AttentionOps) -> None:
-        """Attend over `kv_cache` [2, NB, BS, Hkv, D] with `ops` from now on."""
-        self.kv_cache, self.ops = kv_cache, ops
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        """Attend over `kv_cache` [2, NB, BS, Hkv, D] from now on."""
+        self.kv_cache = kv_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -102,9 +101,9 @@ class Attention(nn.Module):
             out = self._profile_forward(q, k, v, attn_metadata)
         else:
             m, ops = attn_metadata, self.ops
-            if ops.forward is not None:  # store and attend in one kernel call each
-                out = ops.forward(q, k, v, self.kv_cache[0], self.kv_cache[1], m, self.scale,
-                                  self.sliding_window, self.soft_cap)
+            if ops.attention_forward is not None:  # store and attend in one kernel call each
+                out = ops.attention_forward(q, k, v, self.kv_cache[0], self.kv_cache[1], m,
+                                            self.scale, self.sliding_window, self.soft_cap)
                 return out.view(-1, self.num_heads * self.head_dim)
             ops.store_kv(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
             out = ops.paged_attention(

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.backends.ops import PackedLinear
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
-from aserve.kernels.cpu_gemm import PackedWeight
-from aserve.layers.linear import linear, pack_weight
+from aserve.layers.bind import PackableLinear
 
 
 class VocabEmbedding(nn.Module):
@@ -50,25 +50,26 @@ class VocabEmbedding(nn.Module):
         return tp_all_reduce(out * owned.unsqueeze(-1).to(out.dtype))  # [T, embedding_dim]
 
 
-class LMHead(VocabEmbedding):
+class LMHead(VocabEmbedding, PackableLinear):
     """Scores hidden states against the vocabulary: [N, hidden] -> [N, vocab_size]."""
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (tied word embeddings)."""
         self.weight = embedding.weight
 
-    packed_weight: object = None  # a PackedWeight or a oneDNN-packed tensor (see prepack)
+    packed_weight: PackedLinear | None = None  # see set_packed
 
-    def prepack(self) -> None:
-        """A packed copy for the GEMM; the weight stays (the embedding may share it)."""
-        self.packed_weight = pack_weight(self.weight.data)
+    def set_packed(self, packed: PackedLinear) -> None:
+        """A packed copy for the platform's GEMM; the weight stays (the embedding may share
+        it)."""
+        self.packed_weight = packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab_size] logits: the weight's dtype, or (aserve's CPU GEMM) the
+        """[N, hidden] -> [N, vocab_size] logits: the weight's dtype, or (a packed weight) the
         same values already in float32, written once instead of rounded then widened."""
-        if isinstance(self.packed_weight, PackedWeight):
+        if self.packed_weight is not None:
             logits = self.packed_weight.linear_float(hidden)  # [N, rows_per_rank] float32
         else:
-            logits = linear(hidden, self.weight, None, self.packed_weight)  # [N, rows_per_rank]
+            logits = F.linear(hidden, self.weight)  # [N, rows_per_rank]
         logits = tp_all_gather(logits, dim=-1)  # [N, rows_per_rank * tp_size]
         return logits[..., : self.num_embeddings]  # [N, vocab_size]

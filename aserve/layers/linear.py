@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aserve.backends.ops import PackedLinear
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_reduce
-from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
+from aserve.layers.bind import PackableLinear
 
 
 def _param(*shape: int, loader) -> nn.Parameter:
@@ -37,34 +38,9 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """A packed CPU bfloat16 GEMM: aserve's AVX512-BF16 kernel (`cpu_gemm`: 1.1x oneDNN at
-    64 rows, 1.3-1.6x at decode-sized batches), else oneDNN's prepacked GEMM (bit-equal to
-    F.linear). float32 keeps F.linear, whose sums transformers' match."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and (
-        PackedWeight.supports(weight) or (torch.backends.mkldnn.is_available()
-                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-
-
-def pack_weight(weight: torch.Tensor, gated: bool = False) -> PackedWeight | torch.Tensor:
-    """`gated`: [gate; up] packed for `PackedWeight.silu_and_mul` (aserve's kernel only)."""
-    if PackedWeight.supports(weight):
-        return PackedWeight(weight, gated)
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: a batch-size hint
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | torch.Tensor | None) -> torch.Tensor:
-    """`F.linear`, or the packed weight's GEMM when there is one."""
-    if isinstance(packed, PackedWeight):
-        return packed.linear(x, bias)
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-class LinearBase(nn.Module):
-    """`y = x W^T + b` with a [output_size, input_size] weight on this rank."""
+class LinearBase(PackableLinear):
+    """`y = x W^T + b` with a [output_size, input_size] weight on this rank; once the platform
+    has packed the weight (`aserve.layers.bind_ops`), its GEMM instead of F.linear."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -72,20 +48,23 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.weight = _param(output_size, input_size, loader=self.weight_loader)
         self.bias = _param(output_size, loader=self.weight_loader) if bias else None
-        # see `prepack_linear_weights`
-        self.packed_weight: PackedWeight | torch.Tensor | None = None
-        self.pack_gated = False  # pack [gate; up] for a fused silu_and_mul (see Merged...)
+        self.packed_weight: PackedLinear | None = None  # see `set_packed`
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
         default_weight_loader(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        return self._linear(x, self.bias)
 
-    def prepack(self) -> None:
-        """Keep the weight only in the packed GEMM layout (after loading; CPU bf16)."""
-        self.packed_weight = pack_weight(self.weight.data, self.pack_gated)
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return self.packed_weight.linear(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def set_packed(self, packed: PackedLinear) -> None:
+        """Keep the weight only in the platform's packed layout (after loading)."""
+        self.packed_weight = packed
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
 
@@ -110,8 +89,9 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed in one weight (e.g. gate and up projections).
 
-    `silu_gated`: [gate, up] of a SiLU MLP; where aserve's CPU GEMM takes the weight, it is
-    packed so that `silu_and_mul(x)` applies the activation in the GEMM's epilogue.
+    `silu_gated`: [gate, up] of a SiLU MLP; the platform is asked to pack it gated, and where
+    it does (aserve's CPU GEMM), `silu_and_mul(x)` applies the activation in the GEMM's
+    epilogue.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
@@ -124,7 +104,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up [T, d] out of the GEMM, where the weight is packed gated; else None
         (the caller applies its activation to `forward`'s [gate | up])."""
-        if isinstance(self.packed_weight, PackedWeight) and self.packed_weight.gated:
+        if self.packed_weight is not None and self.packed_weight.gated:
             return self.packed_weight.silu_and_mul(x)
         return None
 
@@ -191,18 +171,4 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(linear(x, self.weight, bias, self.packed_weight))  # [T, output]
-
-
-def prepack_linear_weights(model: nn.Module) -> int:
-    """Prepack every linear / LM-head weight that `can_prepack`; returns how many were."""
-    from aserve.layers.embedding import LMHead
-
-    packed = []
-    for module in model.modules():
-        if isinstance(module, LinearBase | LMHead) and can_prepack(module.weight):
-            module.prepack()
-            packed.append(module.packed_weight)
-    # aserve's GEMM weights, in the order the forward reads them, into one huge-page buffer
-    gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight)])
-    return len(packed)
+        return tp_all_reduce(self._linear(x, bias))  # [T, output]

@@ -17,9 +17,8 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
-from aserve.backends.fused import rope_op
+from aserve.layers.bind import OpsLayer
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
@@ -90,8 +89,9 @@ def rope_inv_freq(rotary_dim: int, base: float, max_position: int,
                      "dynamic, llama3, yarn.")
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, Hq*D] and k [T, Hkv*D] (or [T, H, D]) at the given positions."""
+class RotaryEmbedding(OpsLayer):
+    """Applies RoPE to q [T, Hq*D] and k [T, Hkv*D] (or [T, H, D]) at the given positions, in
+    place, through the bound `ops.rope` (its reference: `rotary_ref`, the formula above)."""
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
                  rope_scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
@@ -106,27 +106,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", (emb.sin() * attention_factor).to(dtype),
                              persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_dim)  # [T, H, D]
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)  # rotate_half
-        rot = rot * cos + rotated * sin  # [T, H, rotary_dim]
-        if rest.shape[-1]:
-            rot = torch.cat((rot, rest), dim=-1)
-        return rot.view(shape)
-
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        op = rope_op(q)
-        if (op is not None and q.dim() == 2 and k.dim() == 2 and q.stride(1) == 1
-                and k.stride(1) == 1 and positions.dtype == torch.int64):
-            op(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
-            return q, k  # rotated in place (C++ on CPU bf16, Triton on GPUs)
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
-        sin = self.sin_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim]
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        self.ops.rope(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim,
+                      self.rotary_dim)
+        return q, k  # rotated in place
 
 
 def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,

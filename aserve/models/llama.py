@@ -14,10 +14,11 @@ import re
 import torch
 from torch import nn
 
+from aserve.backends.ops import DecoderLayerFn, DecoderLayerWeights
 from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
-from aserve.layers.cpu_block import CpuDecoderBlock
+from aserve.layers.bind import OpsLayer
 from aserve.layers.embedding import LMHead, VocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
@@ -68,27 +69,57 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act)  # [T, hidden]
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(OpsLayer):
+    """Pre-norm attention then MLP; where the bound ops have a whole-layer fast path for this
+    layer's weights (`ops.decoder_layer`), a step runs as that one call instead."""
+
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, rotary_emb)
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # (the KV cache it was made for, the layer as one C++ call or None): see cpu_block
-        self._block: tuple[torch.Tensor, CpuDecoderBlock | None] | None = None
+        # (the KV cache it was made for, the fast path or None)
+        self._fast: tuple[torch.Tensor, DecoderLayerFn | None] | None = None
+
+    def layer_weights(self) -> DecoderLayerWeights:
+        """This layer's tensors for `ops.decoder_layer` (its KV cache bound)."""
+        attn_mod, mlp = self.self_attn, self.mlp
+        attn, rotary = attn_mod.attn, attn_mod.rotary_emb
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        qkv, o, gate_up, down = (attn_mod.qkv_proj, attn_mod.o_proj, mlp.gate_up_proj,
+                                 mlp.down_proj)
+        return DecoderLayerWeights(
+            input_norm=norms[0].weight.data, input_norm_eps=norms[0].eps,
+            post_norm=norms[1].weight.data, post_norm_eps=norms[1].eps,
+            qkv=qkv.packed_weight, qkv_bias=_data(qkv.bias),
+            q_norm=None if attn_mod.q_norm is None else attn_mod.q_norm.weight.data,
+            k_norm=None if attn_mod.k_norm is None else attn_mod.k_norm.weight.data,
+            o=o.packed_weight, o_bias=_data(o.bias),
+            gate_up=gate_up.packed_weight, gate_up_bias=_data(gate_up.bias),
+            down=down.packed_weight, down_bias=_data(down.bias),
+            cos=rotary.cos_cache, sin=rotary.sin_cache, rotary_dim=rotary.rotary_dim,
+            k_cache=attn.kv_cache[0], v_cache=attn.kv_cache[1],
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scale=attn.scale, sliding_window=attn.sliding_window, soft_cap=attn.soft_cap,
+            tp_size=qkv.tp_size)
+
+    def _fast_path(self) -> DecoderLayerFn | None:
+        kv_cache = self.self_attn.attn.kv_cache
+        if self.ops.decoder_layer is None or kv_cache is None:
+            return None
+        if self._fast is None or self._fast[0] is not kv_cache:
+            self._fast = (kv_cache, self.ops.decoder_layer(self.layer_weights()))
+        return self._fast[1]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        kv_cache = self.self_attn.attn.kv_cache
-        if kv_cache is not None:
-            if self._block is None or self._block[0] is not kv_cache:
-                self._block = (kv_cache, CpuDecoderBlock.of(self))
-            if self._block[1] is not None:
-                out = self._block[1](positions, hidden, residual, attn_metadata)
-                if out is not None:
-                    return out
+        fast = self._fast_path()
+        if fast is not None:
+            out = fast(positions, hidden, residual, attn_metadata)
+            if out is not None:
+                return out
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -96,6 +127,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, attn_metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+def _data(param: nn.Parameter | None) -> torch.Tensor | None:
+    return None if param is None else param.data
 
 
 class MissingLayer(nn.Module):

@@ -20,8 +20,8 @@ from aserve.backends import Platform
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import get_pp_rank, get_pp_size, recv_from_stage, send_to_stage
+from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
-from aserve.layers.linear import prepack_linear_weights
 from aserve.models import load_model
 from aserve.runner.graphs import DecodeGraphs
 from aserve.runner.input_batch import PreparedInputs, pad_to_bucket, prepare_inputs
@@ -67,11 +67,12 @@ class ModelRunner:
         self.block_size = block_size
         self.model, self.arch = load_model(model_config, self.device)
         self.model.eval()
-        platform.prepare_kernels(self.arch.dtype)  # compile now, not in the middle of a request
-        if platform.prepacks_weights(self.arch.dtype):
-            prepack_linear_weights(self.model)
+        # every kernel of this dtype, compiled now (not in the middle of a request), bound to
+        # the layers once; linear weights packed where the platform packs them
+        self.ops = platform.kernel_ops(self.arch.dtype)
+        bind_ops(self.model, self.ops)
         self.vocab_size = self.arch.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=self.ops.argmax)
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
@@ -88,9 +89,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size,
                                             len(self.model.attention_layers()),
                                             self.num_kv_heads, self.device)
-        ops = self.platform.attention_ops(self.arch.dtype)
         for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
-            layer.bind_kv_cache(kv_cache, ops)
+            layer.bind_kv_cache(kv_cache)
 
     def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
         """Capture decode-only forwards of these batch sizes (after the KV cache is bound)."""

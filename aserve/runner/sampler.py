@@ -15,12 +15,12 @@ sparse per-row data loop in Python. This module does not decide which rows sampl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from aserve.backends.fused import argmax_op
+from aserve.backends.ops import argmax_ref
 from aserve.core.outputs import LogprobsLists
 from aserve.runner.sampling_metadata import SamplingMetadata
 
@@ -67,11 +67,14 @@ class SamplerOutput:
 class Sampler(torch.nn.Module):
     """Samples one token per row. Unseeded random rows share `metadata.generator`, else
     `self.generator`, else the global RNG; seeded rows get a fresh generator per step from
-    `metadata.seeded_generator_seeds`. The input logits are not modified."""
+    `metadata.seeded_generator_seeds`. The input logits are not modified. `argmax` is the
+    platform's (`KernelOps.argmax`: ties -> the lowest id, like HF)."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(self, generator: torch.Generator | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref) -> None:
         super().__init__()
         self.generator = generator
+        self.argmax = argmax
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V] float32
@@ -87,8 +90,8 @@ class Sampler(torch.nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
-            return greedy_tokens(logits)  # [N]
-        greedy = None if metadata.all_random else greedy_tokens(logits)  # [N]
+            return self.argmax(logits)  # [N]
+        greedy = None if metadata.all_random else self.argmax(logits)  # [N]
         probs = filtered_probs(logits, metadata)  # [N, V]
         random = probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [N]
         if greedy is None:
@@ -108,12 +111,6 @@ class Sampler(torch.nn.Module):
             noise[row].exponential_(generator=generator)
         # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which argmax picks.
         return noise.to(probs.device).clamp_min_(torch.finfo(noise.dtype).tiny)
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """argmax per row (ties -> lowest id, like HF), through the platform's op where it has one."""
-    op = argmax_op(logits)
-    return logits.argmax(dim=-1) if op is None else op(logits)
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -175,15 +175,14 @@ def test_cpu_only_build_is_not_cuda_and_says_so(monkeypatch):
 # --- what each platform says about itself --------------------------------------------------------
 
 
-@pytest.mark.parametrize(("platform", "dist", "attention", "graphs"), [
-    (CudaPlatform, "nccl", "triton", True),
-    (RocmPlatform, "nccl", "triton", True),
-    (XlaPlatform, "xla", "ref", False),
-    (CpuPlatform, "gloo", "cpu", False),
+@pytest.mark.parametrize(("platform", "dist", "graphs"), [
+    (CudaPlatform, "nccl", True),
+    (RocmPlatform, "nccl", True),
+    (XlaPlatform, "xla", False),
+    (CpuPlatform, "gloo", False),
 ])
-def test_platform_facts(platform, dist, attention, graphs):
+def test_platform_facts(platform, dist, graphs):
     assert platform.dist_backend == dist
-    assert platform.attention_backend == attention
     assert platform.supports_graphs is graphs
     assert issubclass(platform, Platform)
 
@@ -426,3 +425,76 @@ def test_gpu_platforms_size_the_kv_cache_by_profiling(fake_torch_xla):
 @pytest.mark.parametrize("local_rank", [0, 3])
 def test_every_cpu_rank_runs_on_the_cpu_device(local_rank):
     assert CpuPlatform().device_for_rank(local_rank) == torch.device("cpu")
+
+
+# --- kernel selection: one KernelOps per (platform, dtype) -----------------------------------
+
+
+def test_cpu_kernel_selection_by_dtype(cpu_fused_kernels):
+    from aserve.backends import cpu_ops
+    from aserve.backends.cpu_block import CpuDecoderBlock
+    from aserve.backends.ops import REF_OPS
+    from aserve.kernels import cpu_fused
+    from aserve.kernels.cpu_attention import cpu_attention_forward
+    from aserve.kernels.paged_attention_cpu import paged_attention_cpu
+
+    platform = CpuPlatform()
+    fp32, bf16, fp16 = (platform.kernel_ops(d) for d in (torch.float32, torch.bfloat16,
+                                                          torch.float16))
+    # float32: the references (bit-equal to transformers), C++ argmax (exact)
+    for op in ("store_kv", "paged_attention", "rms_norm", "rope", "silu_and_mul"):
+        assert getattr(fp32, op) is getattr(REF_OPS, op), op
+    assert fp32.attention_forward is None and fp32.pack_linears is None
+    assert fp32.decoder_layer is None and fp32.argmax is cpu_fused.argmax
+    # bfloat16: the C++ kernels, packed GEMMs, the whole layer as one call
+    assert (bf16.rms_norm, bf16.rope, bf16.silu_and_mul) == (
+        cpu_ops.rms_norm, cpu_ops.rope, cpu_ops.silu_and_mul)
+    assert bf16.attention_forward is cpu_attention_forward
+    assert bf16.pack_linears is not None and bf16.decoder_layer == CpuDecoderBlock.of
+    # float16: C++ decode attention, references for the rest
+    assert fp16.paged_attention is paged_attention_cpu
+    assert fp16.attention_forward is cpu_attention_forward
+    assert fp16.rms_norm is REF_OPS.rms_norm and fp16.pack_linears is None
+    assert platform.kernel_ops(torch.bfloat16) is bf16  # chosen once per dtype
+
+
+def test_gpu_and_xla_kernel_selection_by_dtype():
+    from aserve.backends import triton_ops
+    from aserve.backends.ops import REF_OPS
+    from aserve.kernels.paged_attention_triton import paged_attention_triton
+    from aserve.kernels.store_kv import store_kv_triton
+
+    for platform in (CudaPlatform(), RocmPlatform()):  # choosing touches no device
+        for dtype in (torch.bfloat16, torch.float16):
+            ops = platform.kernel_ops(dtype)
+            assert (ops.rms_norm, ops.rope) == (triton_ops.rms_norm, triton_ops.rope)
+            assert ops.paged_attention is paged_attention_triton
+            assert ops.store_kv is store_kv_triton
+        fp32 = platform.kernel_ops(torch.float32)
+        assert fp32.paged_attention is paged_attention_triton
+        assert fp32.rms_norm is REF_OPS.rms_norm and fp32.pack_linears is None
+    assert XlaPlatform().kernel_ops(torch.bfloat16) is REF_OPS
+
+
+def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(cpu_fused_kernels):
+    from aserve.backends import cpu_ops
+    from aserve.kernels.rms_norm import rms_norm_ref
+    from aserve.kernels.rotary import rotary_ref
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 2, 64, generator=gen).bfloat16().transpose(0, 1)  # not contiguous
+    w = torch.randn(64, generator=gen).bfloat16()
+    got, want = x.clone(), x.clone()  # clones keep the strides
+    assert not got.is_contiguous()
+    cpu_ops.rms_norm(got, w, 1e-6)
+    rms_norm_ref(want, w, 1e-6)
+    assert torch.equal(got, want)
+    cos = torch.randn(32, 64, generator=gen).bfloat16()
+    sin = torch.randn(32, 64, generator=gen).bfloat16()
+    q = torch.randn(5, 128, generator=gen).bfloat16()
+    k = torch.randn(5, 64, generator=gen).bfloat16()
+    positions = torch.arange(5, dtype=torch.int32)  # the C++ kernel takes int64 only
+    got_q, got_k, want_q, want_k = q.clone(), k.clone(), q.clone(), k.clone()
+    cpu_ops.rope(positions, got_q, got_k, cos, sin, 64, 64)
+    rotary_ref(positions, want_q, want_k, cos, sin, 64, 64)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)

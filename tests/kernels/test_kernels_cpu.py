@@ -90,7 +90,7 @@ def test_fused_rope_on_strided_rows_is_bit_equal(rotary_dim):
 
 
 def test_cpu_rope_op_on_q_and_k_of_one_qkv_row_equals_each_alone():
-    from aserve.backends.fused import rope_op
+    from aserve.backends.cpu_ops import rope as op
     from aserve.kernels import cpu_fused
     from aserve.layers.rotary import get_rope
 
@@ -101,7 +101,6 @@ def test_cpu_rope_op_on_q_and_k_of_one_qkv_row_equals_each_alone():
     qkv = torch.randn(21, 9 * 64 + 2 * 3 * 64).bfloat16()
     q, k, _ = qkv.split([576, 192, 192], dim=-1)  # adjacent: one pass over both
     q2, k2 = q.clone(), k.clone()  # apart: a pass each
-    op = rope_op(q)
     op(positions, q, k, rope.cos_cache, rope.sin_cache, 64, 64)
     op(positions, q2, k2, rope.cos_cache, rope.sin_cache, 64, 64)
     assert torch.equal(q, q2) and torch.equal(k, k2)

@@ -1,18 +1,19 @@
-"""A decoder layer as one C++ call (`aserve.layers.cpu_block`) against the module-by-module
+"""A decoder layer as one C++ call (`aserve.backends.cpu_block`) against the module-by-module
 forward: the same kernels in the same order, so tokens AND logprobs must be bit-identical, for a
 plain Llama and for Qwen2's q/k/v biases, also in steps where a long chunk sends the layer back to
 its modules (SDPA). Skipped where aserve's AVX512-BF16 GEMM is not built."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
 import pytest
 
 from aserve import LLM, SamplingParams
+from aserve.backends import CpuPlatform, cpu_block
 from aserve.kernels import cpu_attention
-from aserve.layers import cpu_block
 
 pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # skips where it is not built
 
@@ -46,7 +47,9 @@ def test_cpu_block_is_bit_identical_to_the_module_forward(arch, long_chunk, mode
     fused = _run(model_dir, prompts, params)
     assert any(ran)
     assert all(ran) == (long_chunk is None)
-    monkeypatch.setattr(cpu_block, "ENABLED", False)
+    kernel_ops = CpuPlatform.kernel_ops  # the same kernels, without the whole-layer call
+    monkeypatch.setattr(CpuPlatform, "kernel_ops", lambda self, dtype: dataclasses.replace(
+        kernel_ops(self, dtype), decoder_layer=None))
     ran.clear()
     modular = _run(model_dir, prompts, params)
     assert not ran

@@ -5,6 +5,7 @@ name what is wrong."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -13,8 +14,9 @@ import torch
 from helpers.hf_models import load_hf_model
 from safetensors.torch import load_file, save_file
 
-from aserve.backends.attention import attention_ops
+from aserve.backends import CpuPlatform
 from aserve.config import ModelConfig
+from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import ModelArchConfig, effective_max_model_len, load_model
 
@@ -52,11 +54,15 @@ def hf_logits(model_dir, ids, dtype=torch.float32):
         return hf(ids[None]).logits[0].float()  # [L, vocab]
 
 
-def bind_cache(model, arch, num_blocks=32, dtype=torch.float32):
-    ops = attention_ops("cpu", dtype)
+def bind_cache(model, arch, num_blocks=32, dtype=torch.float32, pack=False) -> int:
+    """The CPU platform's kernels for `dtype` (linear weights packed only with `pack`) and a KV
+    cache; returns how many weights were packed."""
+    ops = CpuPlatform().kernel_ops(dtype)
+    num_packed = bind_ops(model, ops if pack else dataclasses.replace(ops, pack_linears=None))
     for layer in model.attention_layers():
         layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK_SIZE, arch.num_kv_heads,
-                                        arch.head_dim, dtype=dtype), ops)
+                                        arch.head_dim, dtype=dtype))
+    return num_packed
 
 
 def step(model, chunks):
@@ -213,17 +219,16 @@ def test_prepacked_bf16_weights_give_the_same_logits(qwen3_dir):
     """Bit-equal through oneDNN's packing; through aserve's AVX512-BF16 GEMM the sums run in
     another order: as close to the float32 truth as F.linear's."""
     from aserve.kernels import cpu_gemm
-    from aserve.layers.linear import can_prepack, prepack_linear_weights
 
     ids = prompt()
-    plain, arch = load(qwen3_dir, dtype="bfloat16")
-    if not can_prepack(plain.lm_head.weight):
+    if CpuPlatform().kernel_ops(torch.bfloat16).pack_linears is None:
         pytest.skip("oneDNN bf16 GEMMs are not available on this CPU")
+    plain, arch = load(qwen3_dir, dtype="bfloat16")
     packed, _ = load(qwen3_dir, dtype="bfloat16")
-    assert prepack_linear_weights(packed) > 0
+    assert bind_cache(plain, arch, dtype=torch.bfloat16) == 0
+    assert bind_cache(packed, arch, dtype=torch.bfloat16, pack=True) > 0
     results = []
     for model in (plain, packed):
-        bind_cache(model, arch, dtype=torch.bfloat16)
         results.append(torch.cat([step(model, [(ids[:-1], 20, list(range(6)))]),
                                   step(model, [(ids, 1, list(range(6)))])]))
     if not cpu_gemm.available():

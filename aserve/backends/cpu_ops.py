@@ -1,0 +1,120 @@
+"""The CPU platform's kernels by dtype (`CpuPlatform.kernel_ops`), from aserve's C++ extension
+(`aserve/kernels/csrc`, built once at start-up) where it applies:
+
+    dtype      attention                   norms, RoPE, silu   linears                   argmax
+    float32    references (bit-equal HF)   references          F.linear                  C++ scan
+    bfloat16   C++ row tiles (AVX-512),    C++                 aserve's AVX512-BF16      C++ scan
+               else C++ decode + SDPA                          GEMM, else oneDNN packed
+    float16    C++ decode rows + SDPA      references          F.linear                  C++ scan
+
+bfloat16 also has the whole decoder layer as one C++ call (`cpu_block`). Without a C++ compiler
+every op is its reference, and bfloat16 linears still get oneDNN's packed GEMM.
+
+Each wrapper here keeps the op's calling convention (`aserve.backends.ops`) for every input: what
+its C++ kernel does not take (a non-contiguous tensor, int32 positions) goes to the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from aserve.backends.cpu_block import CpuDecoderBlock
+from aserve.backends.ops import KernelOps, PackedLinear
+from aserve.kernels import cpu_extension, cpu_fused
+from aserve.kernels.cpu_attention import cpu_attention_forward
+from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
+from aserve.kernels.paged_attention_cpu import paged_attention_cpu
+from aserve.kernels.rms_norm import rms_norm_ref
+from aserve.kernels.rotary import rope_ref
+from aserve.kernels.store_kv import store_kv_ref
+
+
+def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
+    """The kernels for activations of `dtype` (builds the extension on first call)."""
+    onednn = _pack_linears if dtype == torch.bfloat16 and _onednn_bf16() else None
+    if cpu_extension.load() is None:
+        return KernelOps("cpu-ref", pack_linears=onednn)
+    if dtype == torch.float32:
+        return KernelOps("cpu-fp32", argmax=cpu_fused.argmax)
+    attention = {"store_kv": store_kv_ref, "paged_attention": paged_attention_cpu,
+                 "attention_forward": cpu_attention_forward, "argmax": cpu_fused.argmax}
+    if dtype != torch.bfloat16:
+        return KernelOps(f"cpu-{str(dtype).removeprefix('torch.')}", **attention)
+    return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,
+                     silu_and_mul=silu_and_mul, pack_linears=_pack_linears,
+                     decoder_layer=CpuDecoderBlock.of)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> None:
+    """`rms_norm_ref`; contiguous rows in one C++ pass."""
+    if x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        cpu_fused.rms_norm(x, weight, eps, residual)
+    else:
+        rms_norm_ref(x, weight, eps, residual)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor,
+         sin: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
+    """`rotary_ref`; [T, H * D] rows with unit inner stride and int64 positions in C++, q and k
+    in one pass where k's heads follow q's in each row (a split of the qkv projection)."""
+    rows = (q,) if k is None else (q, k)
+    if positions.dtype != torch.int64 or any(x.dim() != 2 or x.stride(1) != 1 for x in rows):
+        for x in rows:
+            rope_ref(positions, x, cos, sin, head_dim, rotary_dim)
+        return
+    if k is not None and (k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
+                          and k.stride() == q.stride() and q.stride(0) >= q.shape[1] + k.shape[1]):
+        rows = (q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride()),)
+    for x in rows:
+        cpu_fused.rope(positions, x, cos, sin, head_dim, rotary_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]; contiguous rows in one C++ pass."""
+    if x.is_contiguous():
+        return cpu_fused.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+class OneDnnLinear:
+    """A bf16 weight in oneDNN's prepacked layout (bit-equal to F.linear); never gated."""
+
+    gated = False
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features = weight.shape[0]
+        self.data = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: a batch hint
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.data, bias, "none", [], "")
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).float()
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a oneDNN-packed weight is never gated")
+
+
+def _onednn_bf16() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _pack_linears(weights: Sequence[tuple[torch.Tensor, bool]]) -> list[PackedLinear | None]:
+    """bf16 weights into aserve's AVX512-BF16 GEMM layout (1.1x oneDNN at 64 rows, 1.3-1.6x at
+    decode-sized batches; `gated`: [gate; up] for a fused silu_and_mul), else oneDNN's; then
+    aserve's, in forward order, into one buffer of huge pages. Other dtypes stay unpacked."""
+    packed: list[PackedLinear | None] = []
+    for weight, gated in weights:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            packed.append(None)
+        elif PackedWeight.supports(weight):
+            packed.append(PackedWeight(weight, gated))
+        else:
+            packed.append(OneDnnLinear(weight) if _onednn_bf16() else None)
+    gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight)])
+    return packed

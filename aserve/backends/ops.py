@@ -1,0 +1,138 @@
+"""`KernelOps`: every kernel a model's layers run, chosen once per (platform, dtype).
+
+A platform's `kernel_ops(dtype)` returns one frozen `KernelOps`; the runner binds it to the
+model after loading (`aserve.layers.bind_ops`), and every layer calls its kernels through
+`self.ops`. Layers and models never look at a tensor's device or dtype to pick a kernel, and
+import no device kernel: they see only this interface. `REF_OPS` holds the torch references,
+the float32 path that matches transformers bit for bit and the oracle of every kernel test; a
+layer not bound yet runs them.
+
+Each op has one calling convention whatever implements it:
+
+    store_kv(key, value, k_cache, v_cache, slot_mapping)            K/V rows into their slots
+    paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
+                    sliding_window, soft_cap, *, query_start_loc_cpu, seq_lens_cpu, key, value)
+    attention_forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+                    optional: store + attend in one go (None: the two calls above)
+    rms_norm(x, weight, eps, residual)      in place: x <- norm(x); or residual += x,
+                                            x <- norm(residual)
+    rope(positions, q, k, cos, sin, head_dim, rotary_dim)      neox RoPE on q and k, in place
+    silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
+    argmax(logits) -> logits.argmax(-1)        (ties: the lowest id)
+    pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
+                    optional: weights in the platform's GEMM layout, packed once after loading
+                    (None: every linear is F.linear on the loaded weight)
+    decoder_layer(DecoderLayerWeights) -> DecoderLayerFn | None
+                    optional: a whole pre-norm decoder layer as one call, where the platform
+                    has one for these weights (None: module by module)
+
+Which implementation each platform picks, by dtype, is the table in docs/design.md ("Kernel
+selection"); `aserve.backends.cpu`, `cuda` and `xla` build their `KernelOps`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from aserve.kernels.paged_attention import paged_attention_ref
+from aserve.kernels.rms_norm import rms_norm_ref
+from aserve.kernels.rotary import rotary_ref
+from aserve.kernels.store_kv import store_kv_ref
+
+
+class PackedLinear(Protocol):
+    """A weight [N, K] in a platform's GEMM layout (the loaded weight is then dropped)."""
+
+    gated: bool  # [gate; up] packed so that `silu_and_mul` comes out of the GEMM
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> x W^T (+ bias), [..., N], in x's dtype."""
+
+    def linear_float(self, x: torch.Tensor) -> torch.Tensor:
+        """`linear(x).float()` (the LM head's logits)."""
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """A gated weight only: silu(x gate^T) * (x up^T), [..., N / 2]."""
+
+
+class DecoderLayerFn(Protocol):
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None, metadata: object
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after the layer, as the layer's modules compute them; None for a
+        step this fast path does not cover (the layer then runs its modules)."""
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One pre-norm decoder layer as plain tensors, filled by the model for `decoder_layer`:
+
+        residual += hidden; x = input_norm(residual)          (first layer: residual = hidden)
+        q, k, v = x Wqkv^T (+ b); q, k = q_norm/k_norm (if any), RoPE; store k, v; attend
+        residual += attn Wo^T (+ b); x = post_norm(residual)
+        hidden = (silu(x Wgate^T) * x Wup^T) Wdown^T (+ b)
+
+    `qkv`, `o`, `gate_up`, `down` are what `pack_linears` returned (None: not packed).
+    """
+
+    input_norm: torch.Tensor
+    input_norm_eps: float
+    post_norm: torch.Tensor
+    post_norm_eps: float
+    qkv: PackedLinear | None
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: PackedLinear | None
+    o_bias: torch.Tensor | None
+    gate_up: PackedLinear | None
+    gate_up_bias: torch.Tensor | None
+    down: PackedLinear | None
+    down_bias: torch.Tensor | None
+    cos: torch.Tensor  # [max_positions, rotary_dim]
+    sin: torch.Tensor
+    rotary_dim: int
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    num_heads: int  # this rank's
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+    tp_size: int  # > 1: the row-parallel outputs need an all-reduce
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels of one platform for one activation dtype (see the module docstring)."""
+
+    name: str  # e.g. "cpu-bf16", "triton", "ref": for logs and tests
+    store_kv: Callable[..., None] = store_kv_ref
+    paged_attention: Callable[..., torch.Tensor] = paged_attention_ref
+    attention_forward: Callable[..., torch.Tensor] | None = None
+    rms_norm: Callable[..., None] = rms_norm_ref
+    rope: Callable[..., None] = rotary_ref
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref
+    argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref
+    pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
+                           list[PackedLinear | None]] | None = None
+    decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None
+
+
+REF_OPS = KernelOps("ref")
+"""The torch references: float32 on any device, XLA, and layers not bound to a platform yet."""

@@ -1,0 +1,49 @@
+"""The CUDA / ROCm platforms' kernels (`CudaPlatform.kernel_ops`): the Triton kernels of
+`aserve/kernels`, each checked against its torch `*_ref` twin.
+
+    dtype           attention                     norms, RoPE          silu, argmax, linears
+    bf16 / fp16     store_kv_triton,              rms_norm_triton,     torch (F.silu, argmax,
+                    paged_attention_triton        rotary_triton        F.linear)
+    float32         the same Triton attention     references           torch
+
+The norm and RoPE wrappers keep the op's calling convention for every input: what the Triton
+kernel does not take (a non-contiguous tensor, [T, H, D] rows, int32 positions) goes to the
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.backends.ops import KernelOps
+from aserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from aserve.kernels.rotary import rotary_ref, rotary_triton
+
+
+def triton_kernel_ops(dtype: torch.dtype) -> KernelOps:
+    from aserve.kernels.paged_attention_triton import paged_attention_triton
+    from aserve.kernels.store_kv import store_kv_triton
+
+    attention = {"store_kv": store_kv_triton, "paged_attention": paged_attention_triton}
+    if dtype not in (torch.bfloat16, torch.float16):
+        return KernelOps("triton", **attention)
+    return KernelOps("triton-fused", **attention, rms_norm=rms_norm, rope=rope)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> None:
+    """`rms_norm_ref`; contiguous rows in Triton."""
+    if x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        rms_norm_triton(x, weight, eps, residual)
+    else:
+        rms_norm_ref(x, weight, eps, residual)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor,
+         sin: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
+    """`rotary_ref`; [T, H * D] rows with unit inner stride and int64 positions in Triton."""
+    rows = (q,) if k is None else (q, k)
+    if positions.dtype == torch.int64 and all(x.dim() == 2 and x.stride(1) == 1 for x in rows):
+        rotary_triton(positions, q, k, cos, sin, head_dim, rotary_dim)
+    else:
+        rotary_ref(positions, q, k, cos, sin, head_dim, rotary_dim)

@@ -1,0 +1,46 @@
+"""How layers get their kernels: every layer that runs one derives from `OpsLayer` and calls
+them through `self.ops`, a `KernelOps` (`aserve.backends.ops`) that `bind_ops` sets once per
+model: the runner binds its platform's choice for the model's dtype right after loading. A
+layer not bound yet runs `REF_OPS`, the float32 torch references.
+
+Binding also packs the linear weights, where the platform has a GEMM layout of its own
+(`KernelOps.pack_linears`), all in one call and in forward order.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from aserve.backends.ops import REF_OPS, KernelOps
+
+
+class OpsLayer(nn.Module):
+    """A layer that runs kernels: `self.ops` is the model's bound `KernelOps`."""
+
+    ops: KernelOps = REF_OPS
+
+
+class PackableLinear(OpsLayer):
+    """A layer whose [out, in] `weight` may be packed: `pack_gated` says how it is asked for,
+    `set_packed` takes what the platform returned."""
+
+    pack_gated = False
+
+    def set_packed(self, packed) -> None:
+        raise NotImplementedError  # abstract: each packable layer says what it keeps
+
+
+def bind_ops(model: nn.Module, ops: KernelOps) -> int:
+    """Bind `ops` to every `OpsLayer` of `model` and pack its linear weights where `ops` packs;
+    returns how many weights were packed."""
+    for module in model.modules():
+        if isinstance(module, OpsLayer):
+            module.ops = ops
+    if ops.pack_linears is None:
+        return 0
+    linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    packed = ops.pack_linears([(m.weight.data, m.pack_gated) for m in linears])
+    for module, weight in zip(linears, packed, strict=True):
+        if weight is not None:
+            module.set_packed(weight)
+    return sum(weight is not None for weight in packed)
