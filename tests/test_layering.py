@@ -1,29 +1,43 @@
-"""The import direction of DESIGN.md §2, checked on the source with `ast`."""
+"""The import direction of docs/design.md §3, checked on the source with `ast`: the table is
+read from the design doc itself (one source of truth), and `layers`, `models` and `runner` never
+branch on a device nor call `torch.ops.mkldnn`."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "aserve"
+DESIGN = ROOT.parent / "docs" / "design.md"
 SHARED = {"config", "sampling_params", "assets"}  # frozen dataclasses, package data
-ALLOWED = {
-    "config": set(),
-    "sampling_params": set(),
-    "assets": set(),
-    "core": set(),
-    "kernels": set(),
-    "backends": {"kernels"},
-    "distributed": {"backends"},
-    "layers": {"kernels", "backends", "distributed"},
-    "models": {"layers", "distributed", "kernels", "backends"},
-    "runner": {"models", "layers", "backends", "distributed", "kernels", "core.outputs"},
-    "executor": {"runner", "distributed", "core.outputs"},
-    "kv_transfer": {"core"},
-    "engine": {"core", "executor"},
-    "server": {"engine"},
-}
-NO_TORCH = {"core", "server", "config", "sampling_params", "assets"}
+
+
+def design_table(text: str) -> tuple[dict[str, set[str]], set[str]]:
+    """(package -> what it may import, the packages marked *no torch*) from the design doc's
+    "Packages and who may import whom" table."""
+    section = text.split("## 3. Packages and who may import whom", 1)[1].split("\n## ", 1)[0]
+    allowed, no_torch = {}, set()
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not re.fullmatch(r"`\w+`", cells[0]):
+            continue
+        package = cells[0].strip("`")
+        allowed[package] = set(re.findall(r"`([\w.]+)`", cells[2]))
+        if "*no torch*" in cells[1]:
+            no_torch.add(package)
+    return allowed, no_torch
+
+
+ALLOWED, NO_TORCH = design_table(DESIGN.read_text())
+
+
+def test_the_design_table_names_every_package():
+    packages = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    packages |= {p.stem for p in ROOT.glob("*.py") if not p.stem.startswith("_")}
+    assert packages <= set(ALLOWED), packages - set(ALLOWED)
+    assert {"core", "server", "config"} <= NO_TORCH
+    assert ALLOWED["layers"] == {"backends.ops", "distributed"}
 
 
 def imports_of(path: Path) -> list[str]:
@@ -73,18 +87,20 @@ def test_checker_catches_a_forbidden_import(tmp_path, monkeypatch):
     assert len(violations()) == 2
 
 
-DEVICE_NEUTRAL = ("runner", "models")  # they ask `aserve.backends`, never the device itself
+DEVICE_NEUTRAL = ("runner", "models", "layers")  # kernels come from `self.ops` / the platform
 DEVICE_NAMES = {"cuda", "cpu", "xla", "hip", "rocm", "mps"}
 
 
 def device_branches(root: Path) -> list[str]:
-    """`torch.cuda` / `torch_xla` uses, `.is_cuda`, and comparisons with a device name."""
+    """`torch.cuda` / `torch_xla` uses, `.is_cuda`, `torch.ops.mkldnn`, and comparisons with a
+    device name."""
     found = []
     for package in DEVICE_NEUTRAL:
         for path in sorted((root / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
-                if isinstance(node, ast.Attribute) and node.attr in ("cuda", "is_cuda", "hip"):
+                if isinstance(node, ast.Attribute) and node.attr in ("cuda", "is_cuda", "hip",
+                                                                     "mkldnn"):
                     found.append(f"{where} uses .{node.attr}")
                 elif isinstance(node, ast.Name) and node.id == "torch_xla":
                     found.append(f"{where} uses torch_xla")
@@ -96,7 +112,7 @@ def device_branches(root: Path) -> list[str]:
     return found
 
 
-def test_runner_and_models_never_branch_on_the_device():
+def test_runner_models_and_layers_never_branch_on_the_device():
     assert device_branches(ROOT) == []
 
 
@@ -109,5 +125,16 @@ def test_device_branch_checker_catches_each_kind(tmp_path):
         "a = torch.cuda.is_available()\n"
         "b = x.device.type == 'cuda'\n"
         "c = 'cpu' != y\n"
-        "d = t.is_cuda\n")
-    assert len(device_branches(tmp_path / "aserve")) == 4
+        "d = t.is_cuda\n"
+        "e = torch.ops.mkldnn._linear_pointwise\n")
+    (tmp_path / "aserve" / "layers").mkdir()
+    assert len(device_branches(tmp_path / "aserve")) == 5
+
+
+def test_native_code_lives_in_source_files_not_in_python_strings():
+    """C++ is in aserve/kernels/csrc/*.h|cpp, built with cpp_extension.load(sources=...)."""
+    offenders = [str(p) for p in ROOT.rglob("*.py")
+                 if re.search(r"load_inline|#include\s*<|TORCH_CHECK\(|PYBIND11_MODULE",
+                              p.read_text())]
+    assert offenders == []
+    assert (ROOT / "kernels" / "csrc" / "cpu_kernels.cpp").exists()
