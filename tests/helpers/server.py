@@ -1,5 +1,6 @@
 """Servers for the tests: `serving` (uvicorn in a thread around an app), `tiny_app` (aserve's app
-on a tiny model), `free_port` and `wait_healthy` (for `python -m aserve` run as a subprocess)."""
+on a tiny model), `free_port` and `wait_healthy` (for `python -m aserve` run as a subprocess), and
+`assert_error` (an error response in OpenAI's shape)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,18 @@ def tiny_app(model_dir, config=None, **engine_kwargs):
     kwargs = {"dtype": "float32", "max_model_len": 256, **engine_kwargs}
     return build_app(EngineArgs(model=str(model_dir), **kwargs),
                      config or ServerConfig(served_model_name="tiny"))
+
+
+def assert_error(response, status: int, param=..., contains: str = "") -> None:
+    """`response` (an httpx.Response) is `status` with OpenAI's error body: only "error", holding
+    message/type/param/code, code == status, a type like "BadRequestError", `contains` in the
+    message and, unless `param` is left out, that param (None included)."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, error
+    assert isinstance(error["type"], str) and error["type"].endswith("Error"), error
+    assert contains in error["message"], error
+    if param is not ...:
+        assert error["param"] == param, error

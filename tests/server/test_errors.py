@@ -5,23 +5,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from helpers.server import serving, tiny_app
+from helpers.server import assert_error, serving, tiny_app
 
 from aserve.server import ServerConfig
 
 pytestmark = pytest.mark.spawns  # a uvicorn server on a port
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None,
-                 contains: str = "") -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == status
-    assert contains in body["error"]["message"]
-    if param is not None:
-        assert body["error"]["param"] == param
 
 
 def completion(url: str, **body) -> httpx.Response:

@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from helpers.server import serving, tiny_app
+from helpers.server import assert_error, serving, tiny_app
 
 from aserve.server import ServerConfig
 from aserve.server.protocol import (
@@ -31,15 +31,6 @@ BODY_LIMIT = 1 << 20
 USER = [{"role": "user", "content": "Hi"}]
 COMPLETION = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
 CHAT = {"model": "tiny", "messages": USER, "max_tokens": 1}
-
-
-def assert_error(response: httpx.Response, status: int, param: str | None = None,
-                 contains: str = "") -> None:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
-    assert isinstance(error["type"], str) and error["type"].endswith("Error")
-    assert error["param"] == param and contains in error["message"], error
 
 
 def parts(num: int) -> list[dict]:
@@ -161,7 +152,7 @@ def test_a_body_over_the_size_limit_is_a_413(server_url, chunked):
     body = padded(BODY_LIMIT + 1)
     content = chunks(body) if chunked else body  # an iterator is sent without Content-Length
     response = httpx.post(f"{server_url}/v1/completions", content=content)
-    assert_error(response, 413, contains=f"larger than {BODY_LIMIT} bytes")
+    assert_error(response, 413, None, contains=f"larger than {BODY_LIMIT} bytes")
 
 
 @pytest.mark.spawns
