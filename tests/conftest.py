@@ -104,11 +104,11 @@ def cpu_attention_kernel():
 
 
 @pytest.fixture(scope="session")
-def cpu_fused_kernels() -> None:
+def cpu_elementwise_kernels() -> None:
     """aserve's fused C++ CPU ops (rms_norm, rope, silu_and_mul, argmax) are built."""
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("the fused C++ CPU ops cannot be built here")
 
 

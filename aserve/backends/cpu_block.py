@@ -1,9 +1,9 @@
 """The CPU bf16 platform's whole-decoder-layer fast path (`KernelOps.decoder_layer`): a pre-norm
-decoder layer as one C++ call (`kernels.cpu_layer.decoder_layer`) where every op it would call
-runs aserve's CPU bf16 kernels: the packed GEMMs (the MLP's gate_up packed gated), the fused
-RMSNorm and RoPE, the row-tile attention over the paged cache. Same kernels, same order, same
-tensors: outputs bit-identical to the module-by-module forward, without the Python between the
-ops (~80 us per layer).
+decoder layer as one C++ call (`kernels.cpu_decoder_layer.decoder_layer`) where every op it
+would call runs aserve's CPU bf16 kernels: the packed GEMMs (the MLP's gate_up packed gated),
+the fused RMSNorm and RoPE, the row-tile attention over the paged cache. Same kernels, same
+order, same tensors: outputs bit-identical to the module-by-module forward, without the Python
+between the ops (~80 us per layer).
 
 `CpuDecoderBlock.of(weights)` takes the `DecoderLayerWeights` a model fills and says whether
 they qualify (None otherwise: weights not packed by aserve's GEMM, tensor parallelism, q/k
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from aserve.backends.ops import DecoderLayerWeights
-from aserve.kernels import cpu_extension, cpu_layer
+from aserve.kernels import cpu_decoder_layer, cpu_extension
 from aserve.kernels.cpu_attention import RowPlan
 from aserve.kernels.cpu_gemm import PackedWeight
 
@@ -39,8 +39,8 @@ def _qualifies(w: DecoderLayerWeights) -> bool:
 class CpuDecoderBlock:
     def __init__(self, weights: list[torch.Tensor], sizes: list[int], eps: float, scale: float,
                  soft_cap: float) -> None:
-        assert len(weights) == len(cpu_layer.WEIGHTS)
-        assert len(sizes) == len(cpu_layer.SIZES) - 1  # rows: per step
+        assert len(weights) == len(cpu_decoder_layer.WEIGHTS)
+        assert len(sizes) == len(cpu_decoder_layer.SIZES) - 1  # rows: per step
         self.weights, self.sizes = weights, sizes
         self.eps, self.scale, self.soft_cap = eps, scale, soft_cap
         self.module = cpu_extension.load()

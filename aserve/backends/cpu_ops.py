@@ -22,7 +22,7 @@ import torch
 
 from aserve.backends.cpu_block import CpuDecoderBlock
 from aserve.backends.ops import KernelOps, PackedLinear
-from aserve.kernels import cpu_extension, cpu_fused
+from aserve.kernels import cpu_elementwise, cpu_extension
 from aserve.kernels.cpu_attention import cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
@@ -37,9 +37,9 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     if cpu_extension.load() is None:
         return KernelOps("cpu-ref", pack_linears=onednn)
     if dtype == torch.float32:
-        return KernelOps("cpu-fp32", argmax=cpu_fused.argmax)
+        return KernelOps("cpu-fp32", argmax=cpu_elementwise.argmax)
     attention = {"store_kv": store_kv_ref, "paged_attention": paged_attention_cpu,
-                 "attention_forward": cpu_attention_forward, "argmax": cpu_fused.argmax}
+                 "attention_forward": cpu_attention_forward, "argmax": cpu_elementwise.argmax}
     if dtype != torch.bfloat16:
         return KernelOps(f"cpu-{str(dtype).removeprefix('torch.')}", **attention)
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,
@@ -51,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> None:
     """`rms_norm_ref`; contiguous rows in one C++ pass."""
     if x.is_contiguous() and (residual is None or residual.is_contiguous()):
-        cpu_fused.rms_norm(x, weight, eps, residual)
+        cpu_elementwise.rms_norm(x, weight, eps, residual)
     else:
         rms_norm_ref(x, weight, eps, residual)
 
@@ -69,13 +69,13 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: 
                           and k.stride() == q.stride() and q.stride(0) >= q.shape[1] + k.shape[1]):
         rows = (q.as_strided((q.shape[0], q.shape[1] + k.shape[1]), q.stride()),)
     for x in rows:
-        cpu_fused.rope(positions, x, cos, sin, head_dim, rotary_dim)
+        cpu_elementwise.rope(positions, x, cos, sin, head_dim, rotary_dim)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] -> [..., d]; contiguous rows in one C++ pass."""
     if x.is_contiguous():
-        return cpu_fused.silu_and_mul(x)
+        return cpu_elementwise.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 

@@ -48,7 +48,7 @@ class PackedWeight:
 
     `gated`: the weight is [gate; up] (d rows each) and its panels pair 24 gate rows with the
     same 24 up rows, so that `silu_and_mul(x)` = silu(x gate^T) * (x up^T) comes out of the GEMM
-    in one pass, bit-equal to `linear` then `cpu_fused.silu_and_mul`.
+    in one pass, bit-equal to `linear` then `cpu_elementwise.silu_and_mul`.
     """
 
     def __init__(self, weight: torch.Tensor, gated: bool = False) -> None:

@@ -9,7 +9,7 @@ with a residual:  residual = residual + x          (in residual's dtype)
 always:           x = weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(x.dtype)
 ```
 
-The C++ CPU version of the same op lives in `cpu_fused`.
+The C++ CPU version of the same op lives in `cpu_elementwise`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ out = [x1*cos1 - x2*sin1 | x2*cos2 + x1*sin2 | pass]     cos = [cos1 | cos2] = c
 
 Products and the sum round to the promoted dtype of x and cos/sin, as torch does.
 The frequencies and the caches are built in `aserve/layers/rotary.py`; the C++ CPU version of
-the same op lives in `cpu_fused`.
+the same op lives in `cpu_elementwise`.
 """
 
 from __future__ import annotations

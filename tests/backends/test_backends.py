@@ -430,11 +430,11 @@ def test_every_cpu_rank_runs_on_the_cpu_device(local_rank):
 # --- kernel selection: one KernelOps per (platform, dtype) -----------------------------------
 
 
-def test_cpu_kernel_selection_by_dtype(cpu_fused_kernels):
+def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     from aserve.backends import cpu_ops
     from aserve.backends.cpu_block import CpuDecoderBlock
     from aserve.backends.ops import REF_OPS
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
     from aserve.kernels.cpu_attention import cpu_attention_forward
     from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
@@ -445,7 +445,7 @@ def test_cpu_kernel_selection_by_dtype(cpu_fused_kernels):
     for op in ("store_kv", "paged_attention", "rms_norm", "rope", "silu_and_mul"):
         assert getattr(fp32, op) is getattr(REF_OPS, op), op
     assert fp32.attention_forward is None and fp32.pack_linears is None
-    assert fp32.decoder_layer is None and fp32.argmax is cpu_fused.argmax
+    assert fp32.decoder_layer is None and fp32.argmax is cpu_elementwise.argmax
     # bfloat16: the C++ kernels, packed GEMMs, the whole layer as one call
     assert (bf16.rms_norm, bf16.rope, bf16.silu_and_mul) == (
         cpu_ops.rms_norm, cpu_ops.rope, cpu_ops.silu_and_mul)
@@ -476,7 +476,8 @@ def test_gpu_and_xla_kernel_selection_by_dtype():
     assert XlaPlatform().kernel_ops(torch.bfloat16) is REF_OPS
 
 
-def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(cpu_fused_kernels):
+def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(
+        cpu_elementwise_kernels):
     from aserve.backends import cpu_ops
     from aserve.kernels.rms_norm import rms_norm_ref
     from aserve.kernels.rotary import rotary_ref

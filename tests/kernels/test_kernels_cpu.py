@@ -52,9 +52,9 @@ def test_cpu_kernel_writes_only_decode_rows_of_out():
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 576, generator=gen).bfloat16()
@@ -63,8 +63,8 @@ def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
     got_x, want_x = x.clone(), x.clone()
     got_r = residual.clone() if with_residual else None
     want_r = residual.clone() if with_residual else None
-    cpu_fused.rms_norm(got_x, w, 1e-5, got_r)
-    cpu_fused.rms_norm_ref(want_x, w, 1e-5, want_r)
+    cpu_elementwise.rms_norm(got_x, w, 1e-5, got_r)
+    cpu_elementwise.rms_norm_ref(want_x, w, 1e-5, want_r)
     if with_residual:
         assert torch.equal(got_r, want_r)
     # float32 sums in another order: at most one bf16 step apart, in very few elements
@@ -74,27 +74,27 @@ def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
 
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_fused_rope_on_strided_rows_is_bit_equal(rotary_dim):
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
     from aserve.layers.rotary import get_rope
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     rope = get_rope(64, rotary_dim, 256, 10000.0, None, torch.bfloat16)
     positions = torch.randint(0, 256, (33,))
     qkv = torch.randn(33, 9 * 64 + 2 * 3 * 64).bfloat16()
     q = qkv[:, :576]  # strided rows, as split from the fused qkv projection
     want = q.clone()
-    cpu_fused.rope_ref(positions, want, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
-    cpu_fused.rope(positions, q, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
+    cpu_elementwise.rope_ref(positions, want, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
+    cpu_elementwise.rope(positions, q, rope.cos_cache, rope.sin_cache, 64, rotary_dim)
     assert torch.equal(q, want)
 
 
 def test_cpu_rope_op_on_q_and_k_of_one_qkv_row_equals_each_alone():
     from aserve.backends.cpu_ops import rope as op
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
     from aserve.layers.rotary import get_rope
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     rope = get_rope(64, 64, 256, 10000.0, None, torch.bfloat16)
     positions = torch.randint(0, 256, (21,))
@@ -110,12 +110,12 @@ def test_cpu_rope_op_on_q_and_k_of_one_qkv_row_equals_each_alone():
 
 
 def test_fused_silu_and_mul_is_bit_equal():
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     x = torch.randn(17, 2 * 1536).bfloat16()
-    assert torch.equal(cpu_fused.silu_and_mul(x), cpu_fused.silu_and_mul_ref(x))
+    assert torch.equal(cpu_elementwise.silu_and_mul(x), cpu_elementwise.silu_and_mul_ref(x))
 
 
 def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=None,
@@ -267,7 +267,7 @@ def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in
 @pytest.mark.parametrize("rows,d,in_features", [
     (1, 1536, 576), (9, 50, 128), (64, 1536, 576), (70, 24, 34), (100, 40, 64)])
 def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, d, in_features):
-    from aserve.kernels import cpu_fused, cpu_gemm
+    from aserve.kernels import cpu_elementwise, cpu_gemm
 
     if not cpu_gemm.available():
         pytest.skip("no AVX512-BF16 build here")
@@ -279,9 +279,9 @@ def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, 
     assert torch.equal(gated.linear(x), gate_up)  # the gated panels un-permuted on store
     fused = gated.silu_and_mul(x)
     assert fused.shape == (rows, d)
-    assert torch.equal(fused, cpu_fused.silu_and_mul(gate_up))
+    assert torch.equal(fused, cpu_elementwise.silu_and_mul(gate_up))
     # and what that is: torch's bf16 silu(gate) * up
-    assert torch.equal(fused, cpu_fused.silu_and_mul_ref(gate_up))
+    assert torch.equal(fused, cpu_elementwise.silu_and_mul_ref(gate_up))
 
 
 def test_cpu_gemm_weights_gathered_in_huge_pages_compute_the_same():
@@ -308,9 +308,9 @@ def test_cpu_gemm_weights_gathered_in_huge_pages_compute_the_same():
 
 
 def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
-    from aserve.kernels import cpu_fused
+    from aserve.kernels import cpu_elementwise
 
-    if not cpu_fused.load():
+    if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 49157, generator=gen)  # a tail past whole vectors
@@ -322,8 +322,8 @@ def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
     x[5] = torch.randint(0, 3, (49157,), generator=gen).float()  # many ties
     x[6, 20] = x[6, 30] = float("nan")  # the first NaN
     x[7, 0] = 1e30
-    assert torch.equal(cpu_fused.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(cpu_fused.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
+    assert torch.equal(cpu_elementwise.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_elementwise.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
 
 
 def test_cpu_forward_padding_rows_are_zero_and_write_no_kv():

@@ -1,15 +1,15 @@
 // A pre-norm decoder layer (attention, then a gated-SiLU MLP: the Llama family's) in ONE call on
-// the CPU bf16 path (the C++ of aserve/kernels/cpu_layer.py): the kernels the layer's modules
-// would call one by one from Python, called in the same order on the same tensors, so the result
-// is bit-identical and only the glue between them goes.
+// the CPU bf16 path (the C++ of aserve/kernels/cpu_decoder_layer.py): the kernels the layer's
+// modules would call one by one from Python, called in the same order on the same tensors, so
+// the result is bit-identical and only the glue between them goes.
 //
 //   residual += hidden; x = norm(residual)      (first layer: residual = hidden; x = norm(hidden))
 //   qkv = x Wqkv^T (+ b); RoPE on q and k in place; K/V stored; attn = attention(q) over the cache
 //   o = attn Wo^T (+ b); residual += o; x = norm(residual)
 //   out = (silu(x Wgate^T) * (x Wup^T)) Wdown^T (+ b)              -> [out, residual]
 //
-// The list arguments are in the orders of cpu_layer.py's WEIGHTS, PLAN and SIZES; an absent bias
-// is an empty tensor.
+// The list arguments are in the orders of cpu_decoder_layer.py's WEIGHTS, PLAN and SIZES; an
+// absent bias is an empty tensor.
 #pragma once
 
 #include <torch/extension.h>
@@ -25,7 +25,7 @@ static inline c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// See cpu_layer.py: the ops of one decoder layer, in order, with no Python between them.
+// See cpu_decoder_layer.py: the ops of one decoder layer, in order, with no Python between them.
 std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor residual,
                                          torch::Tensor positions, std::vector<torch::Tensor> w,
                                          std::vector<torch::Tensor> plan,
@@ -36,7 +36,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
   enum { kQkvOut, kOOut, kGateUpOut, kDownOut, kHeads, kKvHeads, kHeadDim, kRotary, kWindow,
          kRows, kSizes };
   TORCH_CHECK(w.size() == kWeights && plan.size() == 3 && n.size() == kSizes,
-              "decoder_layer: weights, plan and sizes as cpu_layer.py lists them");
+              "decoder_layer: weights, plan and sizes as cpu_decoder_layer.py lists them");
   torch::Tensor x;
   if (residual.numel() == 0) {  // first layer: the residual stream starts as the embeddings
     residual = hidden;

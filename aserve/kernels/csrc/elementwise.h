@@ -1,4 +1,4 @@
-// Fused bfloat16 element-wise ops for CPU (the C++ of aserve/kernels/cpu_fused.py):
+// Fused bfloat16 element-wise ops for CPU (the C++ of aserve/kernels/cpu_elementwise.py):
 //
 //   rms_norm       residual-add + RMSNorm, in place
 //   rope           neox-style RoPE, in place
@@ -6,8 +6,8 @@
 //   argmax_rows    torch.argmax of each float32 row
 //
 // Each is one loop where torch would dispatch a dozen tiny ops. Every op rounds to bfloat16 where
-// the torch formulation (cpu_fused's *_ref twins) does, so results match it to the last bit in
-// almost every element (float32 reductions may differ in order).
+// the torch formulation (cpu_elementwise's *_ref twins) does, so results match it to the last bit
+// in almost every element (float32 reductions may differ in order).
 #pragma once
 
 #include <ATen/Parallel.h>
