@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import revisions  # noqa: E402
 
 
+@pytest.mark.spawns
 def test_help_runs():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "revisions.py"), "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
@@ -36,6 +37,7 @@ def test_arguments(tmp_path):
         ["before", "after"], ["after", "before"], ["before", "after"]]
 
 
+@pytest.mark.spawns
 def test_launcher_imports_the_given_tree(tmp_path):
     """Run from this repo (where '' and the editable install both point), the child still
     imports the other tree's aserve."""
