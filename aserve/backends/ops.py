@@ -27,7 +27,7 @@ Each op has one calling convention whatever implements it:
                     has one for these weights (None: module by module)
 
 Which implementation each platform picks, by dtype, is the table in docs/design.md ("Kernel
-selection"); `aserve.backends.cpu`, `cuda` and `xla` build their `KernelOps`.
+selection"): `cpu_ops.py` for the CPU, `triton_ops.py` for CUDA / ROCm; XLA runs `REF_OPS`.
 """
 
 from __future__ import annotations

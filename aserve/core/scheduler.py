@@ -283,7 +283,7 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Assert the DESIGN.md §4 invariants that hold between steps."""
+        """Assert the docs/design.md §10 invariants that hold between steps."""
         kv = self.kv_cache_manager
         kv.check_invariants()
         running_ids = {r.request_id for r in self.running}

@@ -33,7 +33,7 @@ class EngineArgs:
     served_model_name: str | None = None
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
-    pipeline_parallel_size: int = 1  # stages of consecutive layers, one batch in flight
+    pipeline_parallel_size: int = 1  # stages of consecutive layers, a batch per stage in flight
     pp_layer_partition: str | None = None  # layers per stage, e.g. "10,20"; None: even split
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,

@@ -1,6 +1,6 @@
 """The rank protocol: what rank 0 tells ranks 1..N-1, one frozen dataclass per message.
 
-    rank 0 (the executor)                               rank r > 0 (`serve_rank`)
+    rank 0 (the executor)                               rank r > 0 (`handle`)
     ProfileRun(num_tokens, num_reqs) ─────────────────► the same profiling forward, no cache
     InitKVCache(num_blocks)          ─────────────────► allocate the same cache (and graphs)
     RunStep(inputs)                  ── per forward ──► the same forward on its own shard

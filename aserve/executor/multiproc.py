@@ -1,7 +1,7 @@
 """The executor for several ranks: rank 0 here, the node's other ranks spawned processes, and
 (multi-node) the other nodes' ranks started there by `run_worker_node`.
 
-    rank 0 (this process)                          rank r > 0 (`worker_main` → `serve_rank`)
+    rank 0 (this process)                          rank r > 0 (`worker_main` → `handle`)
     Worker, in the "aserve-worker" thread          Worker, no scheduler state
     ProfileRun / InitKVCache ── send_control ───►  the same profiling forward / cache
     RunStep(inputs)      ── before each forward ─► run_model(inputs): same forward, own shard

@@ -19,7 +19,13 @@ import torch
 from aserve.backends import Platform
 from aserve.config import ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
-from aserve.distributed import get_pp_rank, get_pp_size, recv_from_stage, send_to_stage
+from aserve.distributed import (
+    get_pp_rank,
+    get_pp_size,
+    get_tp_rank,
+    recv_from_stage,
+    send_to_stage,
+)
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
@@ -214,8 +220,9 @@ class ModelRunner:
             send_to_stage(list(out), stage + 1)
             return None
         logits = self.model.compute_logits(out[self._tensor(inputs.logits_indices)])
-        if stage > 0 and len(inputs.logits_indices):
-            send_to_stage([logits], 0)
+        if stage > 0 and get_tp_rank() == 0 and len(inputs.logits_indices):
+            send_to_stage([logits], 0)  # to rank 0, the one that samples (the other TP ranks'
+            # logits are the same all-gathered ones, and nobody would receive them)
         return logits
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,

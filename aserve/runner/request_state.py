@@ -1,4 +1,4 @@
-"""The runner's own copy of one running request (DESIGN.md §3): tokens, blocks, sampling."""
+"""The runner's own copy of one running request (docs/design.md §4): tokens, blocks, sampling."""
 
 from __future__ import annotations
 

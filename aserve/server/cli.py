@@ -66,7 +66,7 @@ ENGINE_HELP = {
     "tensor_parallel_size": "ranks that split every layer (heads, FFN columns/rows, vocab); "
                             "this process spawns ranks 1..N-1",
     "pipeline_parallel_size": "pipeline stages, each a run of consecutive layers on its own "
-                              "ranks (one batch in flight: no stage overlap yet)",
+                              "ranks (with async scheduling, one batch per stage in flight)",
     "pp_layer_partition": "layers per pipeline stage, comma-separated, e.g. 10,20 (default: "
                           "an even split)",
     "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
