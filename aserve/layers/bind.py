@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from aserve.backends.ops import REF_OPS, KernelOps
+from aserve.backends.ops import REF_OPS, KernelOps, PackedLinear
 
 
 class OpsLayer(nn.Module):
@@ -22,12 +22,14 @@ class OpsLayer(nn.Module):
 
 class PackableLinear(OpsLayer):
     """A layer whose [out, in] `weight` may be packed: `pack_gated` says how it is asked for,
-    `set_packed` takes what the platform returned."""
+    `set_packed` takes what the platform returned (here: kept beside the weight; a layer that
+    owns its weight alone drops it)."""
 
     pack_gated = False
+    packed_weight: PackedLinear | None = None
 
-    def set_packed(self, packed) -> None:
-        raise NotImplementedError  # abstract: each packable layer says what it keeps
+    def set_packed(self, packed: PackedLinear) -> None:
+        self.packed_weight = packed
 
 
 def bind_ops(model: nn.Module, ops: KernelOps) -> int:

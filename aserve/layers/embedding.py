@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aserve.backends.ops import PackedLinear
 from aserve.distributed.state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
 from aserve.layers.bind import PackableLinear
 
@@ -51,18 +50,12 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding, PackableLinear):
-    """Scores hidden states against the vocabulary: [N, hidden] -> [N, vocab_size]."""
+    """Scores hidden states against the vocabulary: [N, hidden] -> [N, vocab_size]. A packed
+    copy (`set_packed`) sits beside the weight, which the embedding may share."""
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (tied word embeddings)."""
         self.weight = embedding.weight
-
-    packed_weight: PackedLinear | None = None  # see set_packed
-
-    def set_packed(self, packed: PackedLinear) -> None:
-        """A packed copy for the platform's GEMM; the weight stays (the embedding may share
-        it)."""
-        self.packed_weight = packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] logits: the weight's dtype, or (a packed weight) the

@@ -64,7 +64,7 @@ class LinearBase(PackableLinear):
 
     def set_packed(self, packed: PackedLinear) -> None:
         """Keep the weight only in the platform's packed layout (after loading)."""
-        self.packed_weight = packed
+        super().set_packed(packed)
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
 
