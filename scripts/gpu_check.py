@@ -340,6 +340,7 @@ def section_env(ctx: Context) -> None:
                       cpu_count=os.cpu_count(), nvidia_smi=command_text(["nvidia-smi"]))
     ctx.step("torch", torch_facts)
     ctx.step("aserve_platform", aserve_platform)
+    ctx.step("kernel_ops", kernel_ops_names)
     gpus = ctx.result["torch"].get("devices", []) if isinstance(ctx.result["torch"], dict) else []
     if ctx.device != "cpu" and not gpus:
         ctx.fail(f"--device {ctx.device} but torch sees no GPU")
@@ -371,6 +372,23 @@ def aserve_platform() -> str:
     from aserve.backends import select_platform
 
     return select_platform("auto").name
+
+
+def kernel_ops_names() -> dict:
+    """Which kernels the auto platform binds per dtype (`Platform.kernel_ops`): op -> function."""
+    import torch
+
+    from aserve.backends import select_platform
+
+    platform = select_platform("auto")
+    names = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ops = platform.kernel_ops(dtype)
+        names[str(dtype)] = {"name": ops.name, **{
+            op: fn and f"{fn.__module__}.{fn.__qualname__}"
+            for op, fn in ((op, getattr(ops, op)) for op in ("store_kv", "paged_attention", "attention_forward", "rms_norm", "rope",
+                       "silu_and_mul", "argmax", "pack_linears", "decoder_layer"))}}
+    return names
 
 
 # ---------------------------------------------------------------- kernel_tests
