@@ -381,13 +381,14 @@ def kernel_ops_names() -> dict:
     from aserve.backends import select_platform
 
     platform = select_platform("auto")
+    ops_names = ("store_kv", "paged_attention", "attention_forward", "rms_norm", "rope",
+                 "silu_and_mul", "argmax", "pack_linears", "decoder_layer")
     names = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ops = platform.kernel_ops(dtype)
+        fns = {op: getattr(ops, op) for op in ops_names}
         names[str(dtype)] = {"name": ops.name, **{
-            op: fn and f"{fn.__module__}.{fn.__qualname__}"
-            for op, fn in ((op, getattr(ops, op)) for op in ("store_kv", "paged_attention", "attention_forward", "rms_norm", "rope",
-                       "silu_and_mul", "argmax", "pack_linears", "decoder_layer"))}}
+            op: fn and f"{fn.__module__}.{fn.__qualname__}" for op, fn in fns.items()}}
     return names
 
 
