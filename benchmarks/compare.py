@@ -388,21 +388,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ValueError:
             raise SystemExit("--matmul-limit: auto, off or output tokens/s") from None
     args.peer_python = str(args.peer_venv.expanduser() / "bin" / "python")
-    args.model = str(Path(args.model).expanduser().resolve())
-    args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="aserve-compare-"))
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    resolve_paths(args, "aserve-compare-")
     return args
+
+
+def resolve_paths(args: argparse.Namespace, prefix: str) -> None:
+    """The model as an absolute path; the work folder (a new temporary one by default)."""
+    args.model = str(Path(args.model).expanduser().resolve())
+    args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    args.workdir.mkdir(parents=True, exist_ok=True)
+
+
+def begin(args: argparse.Namespace, benchmark: str, aggregate: str) -> dict:
+    """Say where the records go, make SIGTERM an exit (so that `finally` stops the servers),
+    and return the result's common fields."""
+    log(f"logs and per-request records in {args.workdir}")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return {"benchmark": benchmark, "model": args.model, "dtype": args.dtype,
+            "date": datetime.date.today().isoformat(), "machine": machine(),
+            "rounds": args.rounds, "aggregate": aggregate, "workdir": str(args.workdir)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log(f"logs and per-request records in {args.workdir}")
-    result: dict = {"benchmark": "compare", "model": args.model, "dtype": args.dtype,
-                    "date": datetime.date.today().isoformat(), "machine": machine(),
-                    "rounds": args.rounds, "aggregate": "best round per engine",
-                    "workdir": str(args.workdir)}
+    result = begin(args, "compare", "best round per engine")
     servers: list[Server] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     timed = args.matmul_limit == "auto"
     if timed:
         log("timing the matmul-bound limits (before the engines; again after)")

@@ -30,15 +30,12 @@ down; readiness: every round's, and the best (lowest).
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import compare  # noqa: E402
 from common import free_port  # noqa: E402
-from compare import SERVE_FIELDS, Server, last_json_line, loadavg, machine, rotated  # noqa: E402
+from compare import SERVE_FIELDS, Server, last_json_line, loadavg, rotated  # noqa: E402
 
 TREES = ("before", "after")
 MARK = "[revisions] aserve from "
@@ -320,21 +317,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise SystemExit(f"--{which} {tree}: no benchmarks/throughput.py there")
     if args.trees["before"] == args.trees["after"]:
         log("warning: --before and --after are the same tree")
-    args.model = str(Path(args.model).expanduser().resolve())
-    args.workdir = args.workdir or Path(tempfile.mkdtemp(prefix="aserve-revisions-"))
-    args.workdir.mkdir(parents=True, exist_ok=True)
+    compare.resolve_paths(args, "aserve-revisions-")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log(f"logs and per-request records in {args.workdir}")
-    result: dict = {"benchmark": "revisions", "model": args.model, "dtype": args.dtype,
-                    "date": datetime.date.today().isoformat(), "machine": machine(),
-                    "rounds": args.rounds, "aggregate": "best round per tree",
-                    "workdir": str(args.workdir)}
+    result = compare.begin(args, "revisions", "best round per tree")
     servers: list[Server] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         result["trees"] = {w: describe_tree(t) for w, t in args.trees.items()}
         for which, info in result["trees"].items():

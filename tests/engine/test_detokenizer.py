@@ -9,7 +9,7 @@ import pathlib
 import random
 
 import pytest
-from helpers.hf_models import EOS_ID, SPECIAL_TOKENS, build_tokenizer, corpus
+from helpers.hf_models import EOS_ID, SPECIAL_TOKENS, corpus
 
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.tokenizer import Tokenizer
@@ -24,22 +24,6 @@ TEXTS = [
     "special <|im_end|> inside <|im_start|>text<|endoftext|>",
 ]
 PROMPT = "<|im_start|>user\nSay something 😀<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: pathlib.Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: pathlib.Path):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

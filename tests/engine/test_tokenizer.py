@@ -10,7 +10,7 @@ import shutil
 
 import jinja2
 import pytest
-from helpers.hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+from helpers.hf_models import BOS_ID, EOS_ID, PAD_ID
 
 from aserve.engine.tokenizer import Tokenizer
 
@@ -35,21 +35,6 @@ MESSAGES = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "中文?"},
      {"role": "assistant", "content": "好。"}, {"role": "user", "content": "  spaces \n"}],
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    return build_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: pathlib.Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir: pathlib.Path):
-    return transformers.AutoTokenizer.from_pretrained(model_dir)
 
 
 def variant(src: pathlib.Path, dst: pathlib.Path, config: dict | None = None,
