@@ -35,14 +35,44 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """Layers whose KV cache is managed as one: the same attention kind and window, one block
+    table per request. `layers` are model layer indices (every stage's); a group's i-th layer
+    uses the runner's KV buffer i, shared with the i-th layer of every other group."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None = None  # None: full attention (every earlier key is visible)
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}.")
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.sliding_window is None else "sliding"
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 0  # decided by the runner from memory; a count given here wins
     enable_prefix_caching: bool = True
+    # One entry per KV cache group (see `aserve.core.kv_cache_utils.make_kv_cache_groups`);
+    # empty: one full-attention group of every layer.
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}.")
+        for group in self.kv_cache_groups:
+            if group.block_size != self.block_size:
+                raise ValueError(f"KV cache group {group} has block size {group.block_size}, "
+                                 f"not the cache's {self.block_size}.")
+
+    @property
+    def groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        return self.kv_cache_groups or (KVCacheGroupSpec((), None, self.block_size),)
 
 
 @dataclass(frozen=True)
@@ -68,6 +98,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     # The platform's step token budget, for an engine given none.
     default_max_num_batched_tokens: int = 4096
+    # Per model layer: its sliding window, None for full attention (empty: all full).
+    layer_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)

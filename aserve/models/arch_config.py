@@ -39,10 +39,20 @@ class ModelArchConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before rope
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of the layers that slide
+    # Per layer: "full_attention" or "sliding_attention" (HF's `layer_types`); () all full.
+    layer_types: tuple[str, ...] = ()
     dtype: torch.dtype | None = None  # the checkpoint's dtype, if config.json names one
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its sliding window, or None for full attention."""
+        if not self.layer_types:
+            return (None,) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None
+                     for t in self.layer_types)
 
     @classmethod
     def from_hf(cls, hf_config: dict[str, Any],
@@ -61,6 +71,7 @@ class ModelArchConfig:
         max_pos = cfg.get("max_position_embeddings", 2048)
         theta, scaling, partial = _rope(cfg, max_pos)
         qkv_bias, o_bias = _attention_biases(arch, cfg)
+        window, layer_types = _layer_types(arch, cfg)
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -69,7 +80,7 @@ class ModelArchConfig:
             rotary_dim=int(head_dim * partial), max_position_embeddings=max_pos,
             rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias, o_proj_bias=o_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=_sliding_window(arch, cfg),
+            qk_norm=arch == "Qwen3ForCausalLM", sliding_window=window, layer_types=layer_types,
             dtype=_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype"))),
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
             bos_token_id=(generation_config or {}).get("bos_token_id", cfg.get("bos_token_id")))
@@ -99,19 +110,40 @@ def _attention_biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     return bias, bias
 
 
-def _sliding_window(arch: str, cfg: dict[str, Any]) -> int | None:
-    window = cfg.get("sliding_window")
-    if window is None or arch == "LlamaForCausalLM":
-        return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding window, each layer's attention type), as HF reads them.
+
+    `sliding_window` 0 or null means none. Llama never slides; Mistral slides every layer;
+    Qwen2/3 only with `use_sliding_window`, from `max_window_layers` on (or as `layer_types`
+    says). Any attention type but full and sliding is refused, naming it.
+    """
+    num_layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or None
+    types = cfg.get("layer_types")
+    if arch == "LlamaForCausalLM":
+        window = None
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
-            return None
-        first = cfg.get("max_window_layers", 28)
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i >= first else "full_attention"
-            for i in range(cfg["num_hidden_layers"])]
-        return window if "sliding_attention" in types else None
-    return window
+            window = None
+        if types is None:
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if window is not None and i >= first
+                     else "full_attention" for i in range(num_layers)]
+    elif types is None:  # Mistral: one window for every layer
+        types = ["sliding_attention" if window is not None else "full_attention"] * num_layers
+    types = tuple(types or ["full_attention"] * num_layers)
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers.")
+    unsupported = sorted(set(types) - set(_SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"attention type(s) {', '.join(unsupported)} of layer_types are not "
+                         f"supported (only {' and '.join(_SUPPORTED_LAYER_TYPES)}).")
+    if window is None:  # sliding layers without a window attend to everything
+        types = ("full_attention",) * num_layers
+    return window, types
 
 
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:

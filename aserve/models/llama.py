@@ -27,7 +27,8 @@ from aserve.models.arch_config import ModelArchConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
@@ -39,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(num_heads, num_kv_heads, d, d**-0.5, arch.sliding_window)
+        self.attn = Attention(num_heads, num_kv_heads, d, d**-0.5, sliding_window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -73,9 +74,10 @@ class LlamaDecoderLayer(OpsLayer):
     """Pre-norm attention then MLP; where the bound ops have a whole-layer fast path for this
     layer's weights (`ops.decoder_layer`), a step runs as that one call instead."""
 
-    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
+                 layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, rotary_emb)
+        self.self_attn = LlamaAttention(arch, rotary_emb, arch.layer_windows[layer_idx])
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -154,7 +156,7 @@ class LlamaModel(nn.Module):
                              if needs_embedding else None)
         self.owned = stage_layers(arch.num_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary_emb) if i in self.owned else MissingLayer()
+            LlamaDecoderLayer(arch, self.rotary_emb, i) if i in self.owned else MissingLayer()
             for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
 
