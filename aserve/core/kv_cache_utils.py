@@ -45,17 +45,6 @@ def make_kv_cache_groups(layer_windows: Sequence[int | None], block_size: int
     return tuple(groups)
 
 
-def num_kv_buffers(groups: Sequence[KVCacheGroupSpec]) -> int:
-    """KV buffers the runner keeps: the layer count of the largest group."""
-    return max(len(g.layers) for g in groups) if groups else 1
-
-
-def layer_placement(groups: Sequence[KVCacheGroupSpec]) -> dict[int, tuple[int, int]]:
-    """Model layer -> (its group, its KV buffer)."""
-    return {layer: (g, i) for g, group in enumerate(groups)
-            for i, layer in enumerate(group.layers)}
-
-
 def max_blocks_per_request(group: KVCacheGroupSpec, max_model_len: int,
                            max_num_batched_tokens: int) -> int:
     """The most blocks of `group` one request holds at once.

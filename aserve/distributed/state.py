@@ -39,18 +39,19 @@ def set_pp(rank: int, size: int, partition: tuple[int, ...] | None = None) -> No
     _pp_rank, _pp_size, _pp_partition = rank, size, partition
 
 
-def stage_layers(num_layers: int) -> range:
-    """The decoder layers this stage runs: the partition given, else an even split (earlier
-    stages one fewer when the count does not divide)."""
+def stage_layers(num_layers: int, stage: int | None = None) -> range:
+    """The decoder layers stage `stage` (default: this one) runs: the partition given, else an
+    even split (earlier stages one fewer when the count does not divide)."""
+    stage = _pp_rank if stage is None else stage
     if _pp_partition is not None:
         if sum(_pp_partition) != num_layers:
             raise ValueError(f"the layer partition {','.join(map(str, _pp_partition))} adds up "
                              f"to {sum(_pp_partition)}, but the model has {num_layers} layers.")
-        start = sum(_pp_partition[:_pp_rank])
-        return range(start, start + _pp_partition[_pp_rank])
+        start = sum(_pp_partition[:stage])
+        return range(start, start + _pp_partition[stage])
     if num_layers < _pp_size:
         raise ValueError(f"{num_layers} layers cannot be split into {_pp_size} pipeline stages.")
-    return range(_pp_rank * num_layers // _pp_size, (_pp_rank + 1) * num_layers // _pp_size)
+    return range(stage * num_layers // _pp_size, (stage + 1) * num_layers // _pp_size)
 
 
 def get_tp_rank() -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from aserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from aserve.config import CacheConfig, KVCacheGroupSpec, ModelConfig, SchedulerConfig
 from aserve.executor.spec import RankLayout, WorkerSpec
 
 
@@ -99,6 +99,8 @@ class EngineArgs:
         """One batch per pipeline stage when scheduling is async; else one."""
         return self.pipeline_parallel_size if self.async_scheduling else 1
 
-    def cache_config(self, num_blocks: int) -> CacheConfig:
+    def cache_config(self, num_blocks: int,
+                     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_cache_groups=kv_cache_groups)

@@ -22,6 +22,7 @@ from aserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
 from aserve.engine.arg_utils import EngineArgs
@@ -73,23 +74,28 @@ class EngineCore:
                 self.model_info.default_max_num_batched_tokens))
         self.max_num_batched_tokens = args.max_num_batched_tokens
         max_model_len = self.model_info.max_model_len
-        # No more blocks than `max_num_seqs` requests of maximal length can use.
-        max_useful_blocks = -(-args.max_num_seqs * max_model_len // args.block_size)
+        groups = make_kv_cache_groups(self.model_info.layer_windows, args.block_size)
+        # What one request of maximal length holds at once, over every group (a sliding
+        # window's group: about its window, not the whole length).
+        per_request = blocks_per_request(groups, max_model_len, args.max_num_batched_tokens)
+        # No more blocks than `max_num_seqs` such requests can use, plus the null block.
+        max_useful_blocks = args.max_num_seqs * per_request + 1
         num_blocks = self.executor.initialize_kv_cache(
-            args.kv_cache_memory, args.num_kv_blocks, max_useful_blocks,
+            groups, args.kv_cache_memory, args.num_kv_blocks, max_useful_blocks,
             args.gpu_memory_utilization, args.max_num_batched_tokens, args.max_num_seqs)
-        if num_blocks * args.block_size < max_model_len:
+        if num_blocks - 1 < per_request:
             raise ValueError(
-                f"The KV cache holds {num_blocks} blocks of {args.block_size} tokens "
-                f"({num_blocks * args.block_size} tokens), fewer than max_model_len="
-                f"{max_model_len}: one request of maximal length could never run. Give the "
-                "cache more memory (kv_cache_memory / num_kv_blocks / gpu_memory_utilization) "
-                "or lower max_model_len.")
+                f"The KV cache holds {num_blocks} blocks of {args.block_size} tokens (one of "
+                f"them the null block), but one request of max_model_len={max_model_len} "
+                f"tokens needs {per_request} at once ({len(groups)} KV cache group(s)): it "
+                "could never run. Give the cache more memory (kv_cache_memory / num_kv_blocks "
+                "/ gpu_memory_utilization) or lower max_model_len.")
         self.num_blocks = num_blocks
         self.num_steps = 0
         self.forward_seconds = 0.0  # the model's own time, summed over steps
+        self.kv_cache_groups = groups
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
-                                   args.cache_config(num_blocks))
+                                   args.cache_config(num_blocks, groups))
         self.async_scheduling = args.async_scheduling
         self.max_in_flight = args.max_batches_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()

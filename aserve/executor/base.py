@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from aserve.config import ModelInfo
+from aserve.config import KVCacheGroupSpec, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.executor.messages import InitKVCache, ProfileRun, RankMessage
 from aserve.runner.worker import Worker
@@ -61,16 +61,19 @@ class Executor:
     def model_info(self) -> ModelInfo:
         return self.worker.model_info()
 
-    def initialize_kv_cache(self, kv_cache_memory: int | None, num_kv_blocks: int | None,
+    def initialize_kv_cache(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...],
+                            kv_cache_memory: int | None, num_kv_blocks: int | None,
                             max_useful_blocks: int, gpu_memory_utilization: float,
                             max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Size the cache on rank 0 (see `Worker`; every rank holds the same share of kv heads,
-        hence the same bytes per block), allocate it on every rank; return its block count."""
-        return self.call(self._initialize_kv_cache, kv_cache_memory, num_kv_blocks,
-                         max_useful_blocks, gpu_memory_utilization, max_num_batched_tokens,
-                         max_num_seqs)
+        hence the same bytes per block), allocate it on every rank, laid out for
+        `kv_cache_groups`; return its block count."""
+        return self.call(self._initialize_kv_cache, kv_cache_groups, kv_cache_memory,
+                         num_kv_blocks, max_useful_blocks, gpu_memory_utilization,
+                         max_num_batched_tokens, max_num_seqs)
 
-    def _initialize_kv_cache(self, kv_cache_memory: int | None, num_kv_blocks: int | None,
+    def _initialize_kv_cache(self, kv_cache_groups: tuple[KVCacheGroupSpec, ...],
+                             kv_cache_memory: int | None, num_kv_blocks: int | None,
                              max_useful_blocks: int, gpu_memory_utilization: float,
                              max_num_batched_tokens: int, max_num_seqs: int) -> int:
         num_blocks = num_kv_blocks
@@ -79,9 +82,10 @@ class Executor:
                 self._broadcast(ProfileRun(max_num_batched_tokens, max_num_seqs))
             num_bytes = self.worker.kv_cache_bytes(kv_cache_memory, gpu_memory_utilization,
                                                    max_num_batched_tokens, max_num_seqs)
-            num_blocks = min(self.worker.num_blocks_for_bytes(num_bytes), max_useful_blocks)
-        self._broadcast(InitKVCache(num_blocks))
-        self.worker.initialize_kv_cache(num_blocks)
+            num_blocks = min(self.worker.num_blocks_for_bytes(num_bytes, kv_cache_groups),
+                             max_useful_blocks)
+        self._broadcast(InitKVCache(num_blocks, kv_cache_groups))
+        self.worker.initialize_kv_cache(num_blocks, kv_cache_groups)
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

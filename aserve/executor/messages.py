@@ -2,7 +2,7 @@
 
     rank 0 (the executor)                               rank r > 0 (`handle`)
     ProfileRun(num_tokens, num_reqs) ─────────────────► the same profiling forward, no cache
-    InitKVCache(num_blocks)          ─────────────────► allocate the same cache (and graphs)
+    InitKVCache(num_blocks, groups)  ─────────────────► allocate the same cache (and graphs)
     RunStep(inputs)                  ── per forward ──► the same forward on its own shard
     Stop()                           ─────────────────► leave the process groups and exit
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aserve.config import KVCacheGroupSpec
 from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.worker import Worker
 
@@ -30,9 +31,11 @@ class ProfileRun:
 
 @dataclass(frozen=True)
 class InitKVCache:
-    """Allocate a KV cache of `num_blocks` blocks (rank 0 sized it) and bind it."""
+    """Allocate a KV cache of `num_blocks` blocks (rank 0 sized it) laid out for these KV
+    cache groups, and bind it."""
 
     num_blocks: int
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,8 @@ def handle(worker: Worker, message: RankMessage) -> bool:
     match message:
         case RunStep(inputs):
             worker.runner.run_model(inputs)
-        case InitKVCache(num_blocks):
-            worker.initialize_kv_cache(num_blocks)
+        case InitKVCache(num_blocks, kv_cache_groups):
+            worker.initialize_kv_cache(num_blocks, kv_cache_groups)
         case ProfileRun(num_tokens, num_reqs):
             worker.runner.profile_run(num_tokens, num_reqs)
         case Stop():

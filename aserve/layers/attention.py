@@ -1,8 +1,10 @@
 """The attention layer: writes this step's K/V into the paged cache, then attends over it.
 
-The runner allocates each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]`
-and binds it through `bind_kv_cache`; until then (memory profiling) the layer runs plain causal
-attention inside each request's rows. Its kernels (`store_kv`, `paged_attention`, or
+The runner binds each layer's cache `[2, num_blocks, block_size, num_kv_heads, head_dim]` and
+its KV cache group through `bind_kv_cache`; until then (memory profiling) the layer runs plain
+causal attention inside each request's rows. Under a hybrid KV cache every group has its own
+block table and slot mapping (`AttentionMetadata.for_group`); layers of different groups may
+share one buffer, since a block id belongs to one group at a time. Its kernels (`store_kv`, `paged_attention`, or
 `attention_forward` for both) are the bound `self.ops`; the layer never asks which device it is
 on.
 """
@@ -42,6 +44,13 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # What a kernel plans once per step and every layer reuses (see KernelOps.attention_forward).
     kernel_plan: object = None
+    # Under a hybrid KV cache, every group's metadata in group order (the same query layout,
+    # each group's own block table and slot mapping); empty: one group, this one.
+    group_metadata: tuple[AttentionMetadata, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV cache group `group`."""
+        return self.group_metadata[group] if self.group_metadata else self
 
     @property
     def num_reqs(self) -> int:
@@ -75,8 +84,9 @@ class AttentionMetadata:
 class Attention(OpsLayer):
     """Multi-head attention core over the paged KV cache: q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D].
 
-    GQA when num_heads > num_kv_heads. `sliding_window`: keys more than that many positions
-    back are hidden; `soft_cap`: scores are squashed to cap * tanh(s / cap).
+    GQA when num_heads > num_kv_heads. `sliding_window` W: query position p sees key j iff
+    p - j < W (HF's mask), its W latest keys; `soft_cap`: scores are squashed to
+    cap * tanh(s / cap).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -87,10 +97,11 @@ class Attention(OpsLayer):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.sliding_window, self.soft_cap = scale, sliding_window, soft_cap
         self.kv_cache: torch.Tensor | None = None  # [2, NB, BS, Hkv, D], bound by the runner
+        self.kv_group = 0  # the KV cache group whose block table this layer reads
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """Attend over `kv_cache` [2, NB, BS, Hkv, D] from now on."""
-        self.kv_cache = kv_cache
+    def bind_kv_cache(self, kv_cache: torch.Tensor, kv_group: int = 0) -> None:
+        """Attend over `kv_cache` [2, NB, BS, Hkv, D], through group `kv_group`'s block table."""
+        self.kv_cache, self.kv_group = kv_cache, kv_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -100,7 +111,7 @@ class Attention(OpsLayer):
         if self.kv_cache is None:
             out = self._profile_forward(q, k, v, attn_metadata)
         else:
-            m, ops = attn_metadata, self.ops
+            m, ops = attn_metadata.for_group(self.kv_group), self.ops
             if ops.attention_forward is not None:  # store and attend in one kernel call each
                 out = ops.attention_forward(q, k, v, self.kv_cache[0], self.kv_cache[1], m,
                                             self.scale, self.sliding_window, self.soft_cap)

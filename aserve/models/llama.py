@@ -119,7 +119,8 @@ class LlamaDecoderLayer(OpsLayer):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         fast = self._fast_path()
         if fast is not None:
-            out = fast(positions, hidden, residual, attn_metadata)
+            out = fast(positions, hidden, residual,
+                       attn_metadata.for_group(self.self_attn.attn.kv_group))
             if out is not None:
                 return out
         if residual is None:

@@ -9,6 +9,8 @@ pads the batch up to the next captured size and replays that graph:
     slot_mapping                 the step's slots                   -1 (K/V not written)
     seq_lens / block_table       the step's                         1 / block 0 (read, ignored)
 
+Each KV cache group has its own block table and slot mapping buffers (hybrid KV cache).
+
 The attention metadata of a graph carries no host lists, so the kernels size their launch from
 tensor shapes alone (fixed at capture). Prefill or mixed steps, and batches larger than the
 largest size, run eagerly. The platform does the capture (its `capture_graph`), so this
@@ -18,6 +20,7 @@ module never names a device.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,25 +38,32 @@ def default_capture_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, platform: Platform, device: torch.device,
-                 capture_sizes: list[int], max_blocks_per_seq: int) -> None:
+                 capture_sizes: list[int], max_blocks_per_seq: int,
+                 num_kv_groups: int = 1) -> None:
         self.model, self.platform = model, platform
         self.sizes = sorted(capture_sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=device)
+                              for _ in range(num_kv_groups)]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.block_tables = [torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+                             for _ in range(num_kv_groups)]
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.num_replays = 0
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        groups = [AttentionMetadata(
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
-            max_query_len=1, max_seq_len=self.block_table.shape[1])
+            block_table=table[:size], slot_mapping=slots[:size],
+            max_query_len=1, max_seq_len=self.max_blocks_per_seq)
+            for table, slots in zip(self.block_tables, self.slot_mappings, strict=True)]
+        if len(groups) == 1:
+            return groups[0]
+        return replace(groups[0], group_metadata=tuple(groups))
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
@@ -73,7 +83,7 @@ class DecodeGraphs:
         """A decode-only step within the largest captured size and block-table width."""
         num_reqs = len(inputs.seq_lens)
         return (len(inputs.input_ids) == num_reqs <= self.sizes[-1]
-                and inputs.block_table.shape[1] <= self.max_blocks_per_seq)
+                and all(t.shape[1] <= self.max_blocks_per_seq for t in inputs.block_tables))
 
     def run(self, inputs: PreparedInputs) -> torch.Tensor:
         """Replay the graph of the smallest captured size >= the batch; [n, hidden]."""
@@ -81,12 +91,12 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         self._load(self.input_ids, inputs.input_ids, size, 0)
         self._load(self.positions, inputs.positions, size, 0)
-        self._load(self.slot_mapping, inputs.slot_mapping, size, -1)
         self._load(self.seq_lens, inputs.seq_lens, size, 1)
-        width = inputs.block_table.shape[1]
-        self.block_table[:size].zero_()
-        self.block_table[:n, :width].copy_(torch.from_numpy(inputs.block_table),
-                                           non_blocking=True)
+        for slots, values in zip(self.slot_mappings, inputs.slot_mappings, strict=True):
+            self._load(slots, values, size, -1)
+        for table, values in zip(self.block_tables, inputs.block_tables, strict=True):
+            table[:size].zero_()
+            table[:n, :values.shape[1]].copy_(torch.from_numpy(values), non_blocking=True)
         replay, out = self.graphs[size]
         replay()
         self.num_replays += 1

@@ -7,7 +7,9 @@
     seq_lens     5                              18            10
     slot_mapping block_table[r][pos // block_size] * block_size + pos % block_size
 
-No padding anywhere: token t of the batch belongs to the request whose query range holds t.
+Each KV cache group has its own block table and slot mapping (docs/design.md §4): a request
+holds different blocks in a full-attention group and in a sliding-window one. No padding
+anywhere: token t of the batch belongs to the request whose query range holds t.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class PreparedInputs:
     positions: np.ndarray  # [num_tokens] int64
     query_start_loc: np.ndarray  # [num_reqs + 1] int32
     seq_lens: np.ndarray  # [num_reqs] int32
-    block_table: np.ndarray  # [num_reqs, max_num_blocks] int32
-    slot_mapping: np.ndarray  # [num_tokens] int64
+    block_tables: list[np.ndarray]  # per KV cache group: [num_reqs, max_num_blocks] int32
+    slot_mappings: list[np.ndarray]  # per KV cache group: [num_tokens] int64
     max_query_len: int
     max_seq_len: int
     # Rows of the batch that sample (their request reaches its last known token this step).
@@ -62,13 +64,13 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         offsets = np.arange(len(input_ids)) - query_start_loc[req_of_token]
         positions = (num_computed[req_of_token] + offsets).astype(np.int64)
 
-    max_num_blocks = max(len(s.block_ids) for s in states)
-    block_table = np.zeros((num_reqs, max_num_blocks), dtype=np.int32)
-    for i, s in enumerate(states):
-        block_table[i, :len(s.block_ids)] = s.block_ids
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    block_ids = block_table[req_of_token, positions // block_size]
-    slot_mapping = block_ids.astype(np.int64) * block_size + positions % block_size
+    block_tables, slot_mappings = [], []
+    for group in range(len(states[0].block_ids)):
+        block_table = _block_table([s.block_ids[group] for s in states])
+        block_ids = block_table[req_of_token, positions // block_size]
+        block_tables.append(block_table)
+        slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
     sample_req_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
@@ -85,14 +87,22 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         positions=positions,
         query_start_loc=query_start_loc,
         seq_lens=seq_lens.astype(np.int32),
-        block_table=block_table,
-        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        slot_mappings=slot_mappings,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         sample_req_indices=sample_req_indices,
         logits_indices=np.concatenate(rows).astype(np.int64),
         prompt_logprob_spans=spans,
     )
+
+
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+    """[num_reqs, longest] int32, each row a request's block ids, zero-padded."""
+    table = np.zeros((len(block_ids), max(map(len, block_ids))), dtype=np.int32)
+    for i, ids in enumerate(block_ids):
+        table[i, :len(ids)] = ids
+    return table
 
 
 def token_bucket(num_tokens: int, smallest: int = 16) -> int:
@@ -111,4 +121,5 @@ def pad_to_bucket(inputs: PreparedInputs) -> PreparedInputs:
     return replace(inputs,
                    input_ids=np.pad(inputs.input_ids, (0, pad)),
                    positions=np.pad(inputs.positions, (0, pad)),
-                   slot_mapping=np.pad(inputs.slot_mapping, (0, pad), constant_values=-1))
+                   slot_mappings=[np.pad(m, (0, pad), constant_values=-1)
+                                  for m in inputs.slot_mappings])

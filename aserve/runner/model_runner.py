@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
 import torch
 
 from aserve.backends import Platform
-from aserve.config import ModelConfig
+from aserve.config import KVCacheGroupSpec, ModelConfig
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import (
     get_pp_rank,
@@ -25,13 +25,14 @@ from aserve.distributed import (
     get_tp_rank,
     recv_from_stage,
     send_to_stage,
+    stage_layers,
 )
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
 from aserve.runner.graphs import DecodeGraphs
 from aserve.runner.input_batch import PreparedInputs, pad_to_bucket, prepare_inputs
-from aserve.runner.kv_cache import allocate_kv_caches
+from aserve.runner.kv_cache import allocate_kv_buffers, kv_buffer_ids, layer_placement
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
@@ -82,7 +83,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # this stage's KV buffers
+        self.num_kv_groups = 1
         self.graphs: DecodeGraphs | None = None
         self.publish_inputs = publish_inputs
 
@@ -91,17 +93,29 @@ class ModelRunner:
         """KV heads this rank holds (its tensor-parallel share)."""
         return self.model.attention_layers()[0].num_kv_heads
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.arch, num_blocks, self.block_size,
-                                            len(self.model.attention_layers()),
-                                            self.num_kv_heads, self.device)
-        for layer, kv_cache in zip(self.model.attention_layers(), self.kv_caches):
-            layer.bind_kv_cache(kv_cache)
+    def initialize_kv_cache(self, num_blocks: int,
+                            kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
+        """Allocate this stage's KV buffers and bind each attention layer to its buffer and
+        group (`runner/kv_cache.py`)."""
+        self.num_kv_groups = len(kv_cache_groups)
+        layers = dict(zip(stage_layers(self.arch.num_layers), self.model.attention_layers(),
+                          strict=True))
+        placement = layer_placement(kv_cache_groups)
+        buffers = allocate_kv_buffers(self.arch, num_blocks, self.block_size,
+                                      kv_buffer_ids(kv_cache_groups, layers), self.num_kv_heads,
+                                      self.device)
+        self.kv_caches = list(buffers.values())
+        for layer_id, layer in layers.items():
+            group, buffer_id = placement[layer_id]
+            if layer.sliding_window != kv_cache_groups[group].sliding_window:
+                raise ValueError(f"layer {layer_id} has window {layer.sliding_window}, its KV "
+                                 f"cache group {kv_cache_groups[group].sliding_window}.")
+            layer.bind_kv_cache(buffers[buffer_id], group)
 
     def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
         """Capture decode-only forwards of these batch sizes (after the KV cache is bound)."""
         self.graphs = DecodeGraphs(self.model, self.platform, self.device, capture_sizes,
-                                   max_blocks_per_seq)
+                                   max_blocks_per_seq, self.num_kv_groups)
         self.graphs.capture()
 
     @_no_grad
@@ -134,13 +148,14 @@ class ModelRunner:
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 sampling_params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ------------------------------------------------------------------ step
@@ -241,16 +256,22 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     def _attn_metadata(self, inputs: PreparedInputs) -> AttentionMetadata:
-        return AttentionMetadata(
+        """One metadata per KV cache group (the same query layout, the group's own block table
+        and slot mapping); under one group that one itself."""
+        shared = dict(
             query_start_loc=self._tensor(inputs.query_start_loc),
             seq_lens=self._tensor(inputs.seq_lens),
-            block_table=self._tensor(inputs.block_table),
-            slot_mapping=self._tensor(inputs.slot_mapping),
             max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len,
             query_start_loc_cpu=inputs.query_start_loc.tolist(),
             seq_lens_cpu=inputs.seq_lens.tolist(),
         )
+        groups = [AttentionMetadata(block_table=self._tensor(table),
+                                    slot_mapping=self._tensor(slots), **shared)
+                  for table, slots in zip(inputs.block_tables, inputs.slot_mappings, strict=True)]
+        if len(groups) == 1:
+            return groups[0]
+        return replace(groups[0], group_metadata=tuple(groups))
 
     def _prompt_logprobs(self, states: list[CachedRequestState], inputs: PreparedInputs,
                          logits: torch.Tensor) -> dict[str, LogprobsLists]:

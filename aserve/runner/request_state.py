@@ -12,7 +12,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
 

@@ -11,19 +11,19 @@ the platform's default budget (CPU: host memory); else (GPUs) by profiling:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 
 from aserve.backends import Platform, set_platform
-from aserve.config import ModelConfig, ModelInfo
+from aserve.config import KVCacheGroupSpec, ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from aserve.distributed import DistributedConfig, get_pp_size, init_distributed
+from aserve.distributed import DistributedConfig, get_pp_size, init_distributed, stage_layers
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.input_batch import PreparedInputs
-from aserve.runner.kv_cache import kv_cache_bytes_per_block
+from aserve.runner.kv_cache import kv_buffer_ids, kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class Worker:
             max_model_len=effective_max_model_len(arch, self.model_config.max_model_len),
             eos_token_ids=tuple(arch.eos_token_ids),
             default_max_num_batched_tokens=self.platform.default_max_num_batched_tokens,
+            layer_windows=arch.layer_windows,
         )
 
     def needs_profiling(self, kv_cache_memory: int | None) -> bool:
@@ -88,15 +89,20 @@ class Worker:
                 "lower --max-num-batched-tokens, or give --kv-cache-memory.")
         return budget
 
-    def num_blocks_for_bytes(self, num_bytes: int) -> int:
+    def num_blocks_for_bytes(self, num_bytes: int,
+                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> int:
+        """Blocks that fit in `num_bytes` on the stage holding the most KV buffers (every
+        stage gets the same block count)."""
         arch = self.runner.arch
-        layers_per_stage = -(-arch.num_layers // get_pp_size())  # the most any stage holds
-        return num_bytes // kv_cache_bytes_per_block(arch, self.block_size, layers_per_stage,
+        num_buffers = max(len(kv_buffer_ids(kv_cache_groups, stage_layers(arch.num_layers, s)))
+                          for s in range(get_pp_size()))
+        return num_bytes // kv_cache_bytes_per_block(arch, self.block_size, num_buffers,
                                                      self.runner.num_kv_heads)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int,
+                            kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches."""
-        self.runner.initialize_kv_cache(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
         if self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1:
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)

@@ -9,6 +9,7 @@ import pickle
 import numpy as np
 import pytest
 
+from aserve.config import KVCacheGroupSpec
 from aserve.executor.messages import InitKVCache, ProfileRun, RunStep, Stop, handle
 from aserve.executor.spec import RankLayout, WorkerSpec
 from aserve.runner.input_batch import PreparedInputs
@@ -30,23 +31,26 @@ class FakeWorker:
         self.calls: list = []
         self.runner = FakeRunner(self.calls)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.calls.append(("initialize_kv_cache", num_blocks))
+    def initialize_kv_cache(self, num_blocks: int, kv_cache_groups) -> None:
+        self.calls.append(("initialize_kv_cache", num_blocks, kv_cache_groups))
 
 
 def inputs() -> PreparedInputs:
     ids = np.array([3, 4, 5], dtype=np.int64)
     return PreparedInputs(ids, np.arange(3), np.array([0, 3], dtype=np.int32),
-                          np.array([3], dtype=np.int32), np.zeros((1, 1), dtype=np.int32),
-                          np.arange(3), 3, 3, [0], np.array([2]), [])
+                          np.array([3], dtype=np.int32), [np.zeros((1, 1), dtype=np.int32)],
+                          [np.arange(3)], 3, 3, [0], np.array([2]), [])
+
+
+GROUPS = (KVCacheGroupSpec((0, 2), None), KVCacheGroupSpec((1, 3), 8))
 
 
 def test_each_message_reaches_its_handler_and_stop_ends_the_loop():
     worker, step = FakeWorker(), inputs()
-    messages = [ProfileRun(64, 4), InitKVCache(10), RunStep(step), RunStep(step), Stop()]
+    messages = [ProfileRun(64, 4), InitKVCache(10, GROUPS), RunStep(step), RunStep(step), Stop()]
     served = [handle(worker, m) for m in messages]
     assert served == [True, True, True, True, False]
-    assert worker.calls == [("profile_run", 64, 4), ("initialize_kv_cache", 10),
+    assert worker.calls == [("profile_run", 64, 4), ("initialize_kv_cache", 10, GROUPS),
                             ("run_model", step), ("run_model", step)]
 
 
@@ -61,7 +65,7 @@ def test_messages_are_frozen_and_survive_the_control_channel_pickle():
         message.inputs = None
     back = pickle.loads(pickle.dumps(message, protocol=5))
     assert type(back) is RunStep and back.inputs.input_ids.tolist() == [3, 4, 5]
-    assert pickle.loads(pickle.dumps(InitKVCache(7))) == InitKVCache(7)
+    assert pickle.loads(pickle.dumps(InitKVCache(7, GROUPS))) == InitKVCache(7, GROUPS)
 
 
 def test_rank_layout_places_ranks_stage_major_over_nodes():

@@ -9,6 +9,7 @@ import torch
 
 from aserve.backends import CpuPlatform
 from aserve.config import ModelConfig
+from aserve.core.kv_cache_utils import make_kv_cache_groups
 from aserve.runner.kv_cache import kv_cache_bytes_per_block
 from aserve.runner.worker import Worker
 
@@ -68,7 +69,8 @@ def test_given_bytes_win_and_cpu_uses_its_default(model_dir):
     assert 0 < default <= min(2 * GiB, free * 0.6)
     arch = worker.runner.arch
     per_block = kv_cache_bytes_per_block(arch, 16, arch.num_layers, worker.runner.num_kv_heads)
-    assert worker.num_blocks_for_bytes(10 * per_block + 1) == 10
+    groups = make_kv_cache_groups(arch.layer_windows, 16)
+    assert worker.num_blocks_for_bytes(10 * per_block + 1, groups) == 10
 
 
 def test_profile_run_forwards_the_largest_step_without_a_cache(model_dir):
