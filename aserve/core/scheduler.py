@@ -8,6 +8,10 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                  waiting  ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)───┤
                                                                      SchedulerOutput ◄─────┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
+
+Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
+for every group at once, so a request is admitted, grown or preempted as a whole, and block
+ids travel as one list per group.
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ def run(scenario: Scenario, specs: tuple[Spec, ...]) -> tuple[FakeRunner, set[st
     return runner, aborted
 
 
-def check_scenario(scenario: Scenario) -> int:
-    """Run the scenario; compare with each request run alone and with the oracle."""
+def check_scenario(scenario: Scenario) -> Scheduler:
+    """Run the scenario; compare with each request run alone and with the oracle. Returns the
+    scheduler that ran it (for its counters)."""
     runner, aborted = run(scenario, scenario.specs)
     max_model_len = scenario.scheduler_config.max_model_len
     alone = Scenario(scenario.scheduler_config, scenario.cache_config, ())
@@ -193,7 +194,7 @@ def check_scenario(scenario: Scenario) -> int:
         else:
             assert streamed == expected_tokens, f"{spec.req_id} changed under pressure"
             assert runner.finish_reasons[spec.req_id] == expected_reason
-    return runner.scheduler.num_preemptions
+    return runner.scheduler
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -245,6 +246,44 @@ def test_seeded_inverted_priority_workloads_preempt_and_still_match() -> None:
     num_preemptions = 0
     for trial in range(40):
         policy = ("priority", "fcfs")[trial % 4 == 3]
-        num_preemptions += check_scenario(
-            inverted_priority_workload(rng, trial, policy, async_scheduling=trial % 2 == 1))
+        num_preemptions += check_scenario(inverted_priority_workload(
+            rng, trial, policy, async_scheduling=trial % 2 == 1)).num_preemptions
     assert num_preemptions >= 40
+
+
+def shared_prefix_hybrid_workload(rng: random.Random, trial: int) -> Scenario:
+    """Requests sharing long prefixes arrive one after another on a hybrid (or all-sliding)
+    model in a tight cache: later ones hit earlier ones' blocks in every group, some of them
+    freed behind the window, while preemptions free and re-hit them."""
+    block_size, max_model_len = rng.choice([1, 2, 4]), 24
+    windows = rng.choice([[None, rng.randrange(1, 10)],
+                          [None, rng.randrange(1, 6), None, rng.randrange(4, 12)],
+                          [rng.randrange(1, 10)]])
+    budget = rng.randrange(4, 17)
+    shared = [rng.randrange(1, VOCAB) for _ in range(20)]
+    specs = []
+    for i in range(5):
+        prompt = shared[:rng.randrange(6, 20)] + [rng.randrange(VOCAB)
+                                                  for _ in range(rng.randrange(0, 3))]
+        specs.append(Spec(f"h{trial}-{i}", tuple(prompt), 2 * i + rng.randrange(2),
+                          rng.randrange(3), rng.randrange(2, 8), 0, True, (), None,
+                          rng.choice([None, None, None, 12])))
+    probe = hybrid_cache_config(windows, block_size=block_size, num_blocks=2)
+    num_blocks = blocks_per_request(probe.groups, max_model_len, budget) + 1 + rng.randrange(3)
+    return Scenario(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
+                        max_model_len=max_model_len, long_prefill_token_threshold=rng.choice(
+                            [0, 3, 5]), policy=rng.choice(["fcfs", "priority"]),
+                        async_scheduling=trial % 2 == 1),
+        hybrid_cache_config(windows, block_size=block_size, num_blocks=num_blocks),
+        tuple(specs))
+
+
+def test_seeded_shared_prefix_hybrid_workloads_hit_preempt_and_still_match() -> None:
+    rng = random.Random(1)
+    num_preemptions = num_hits = 0
+    for trial in range(40):
+        scheduler = check_scenario(shared_prefix_hybrid_workload(rng, trial))
+        num_preemptions += scheduler.num_preemptions
+        num_hits += scheduler.kv_cache_manager.prefix_cache_hits
+    assert num_preemptions >= 20 and num_hits >= 500
