@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from aserve.config import KVCacheGroupSpec
-from aserve.core.block_pool import BlockPool, KVCacheBlock
+from aserve.core.block_pool import BlockPool
 from aserve.core.hashing import update_block_hashes
 from aserve.core.kv_cache_coordinator import GroupBlocks, KVCacheCoordinator
 from aserve.core.request import Request
@@ -109,9 +109,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Per group, the request's block ids in order (0, the null block, where skipped)."""
         return self.coordinator.get_block_ids(request_id)
-
-    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.coordinator.managers)
 
     def holds_blocks(self, request_id: str) -> bool:
         """Whether the request has been allocated and not freed since."""

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -299,12 +300,18 @@ class Scheduler:
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
         assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
+        max_blocks = [max_blocks_per_request(g, self.config.max_model_len,
+                                             self.config.max_num_batched_tokens)
+                      for g in kv.groups]
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request
             for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
                 covered = len(block_ids) * self.block_size
                 assert request.num_computed_tokens <= covered, (
                     f"group {group_id}'s blocks do not cover {request}")
+                num_held = sum(1 for block_id in block_ids if block_id != 0)
+                assert num_held <= max_blocks[group_id], (
+                    f"{request} holds {num_held} blocks of group {group_id}")
             assert request.num_computed_tokens <= (
                 request.num_tokens + request.num_output_placeholders), request
             assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
