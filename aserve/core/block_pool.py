@@ -1,8 +1,19 @@
 """`BlockPool`: every KV-cache block, its reference count, the free queue and the prefix cache.
 
 Pure bookkeeping over block ids; the KV tensors themselves live in the runner. A block with
-ref_cnt 0 sits in the free queue. A free block may still carry a hash: it stays in the prefix
-cache, reusable by a later hit, until it is popped for a new allocation (then it is evicted).
+ref_cnt 0 sits in the free queue. A free block may still carry a cache key: it stays in the
+prefix cache, reusable by a later hit, until it is popped for a new allocation (then it is
+evicted). One pool serves every KV cache group; a block belongs to one group at a time, so the
+prefix cache is keyed by (block hash, group id): `make_cache_key`.
+
+Block 0 is the null block, for every model: it stands for a skipped slot in a sliding-window
+group's block list (a block wholly before the window, freed or never held). It is never in the
+free queue, never freed, never cached, and its ref count stays 0; `num_free_blocks` and `usage`
+count the other `num_blocks - 1` blocks only.
+
+    blocks   [null][b1][b2][b3] ... [b(n-1)]
+              ▲     └── the free queue starts with these, in id order
+              never handed out
 
 The free queue is an intrusive doubly-linked list threaded through the blocks themselves, so
 removing a block from its middle (a prefix hit on a free block) is O(1):
@@ -24,18 +35,43 @@ from collections.abc import Iterable, Sequence
 class KVCacheBlock:
     """One block: its id, how many requests hold it, its hash once full and cached."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "cache_key", "is_null", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None  # set once when cached; cleared only on eviction
+        # (hash, group) as `make_cache_key` packs it: set once when cached, cleared on eviction
+        self.cache_key: bytes | None = None
+        self.is_null = False
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
+    @property
+    def block_hash(self) -> bytes | None:
+        """The block hash part of `cache_key` (None when not cached)."""
+        return None if self.cache_key is None else split_cache_key(self.cache_key)[0]
+
     def __repr__(self) -> str:
-        hash_hex = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={hash_hex})"
+        if self.is_null:
+            return "KVCacheBlock(null)"
+        key = None
+        if self.cache_key is not None:
+            block_hash, group_id = split_cache_key(self.cache_key)
+            key = f"{block_hash.hex()[:8]}/g{group_id}"
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, key={key})"
+
+
+_GROUP_BYTES = 4
+
+
+def make_cache_key(block_hash: bytes, group_id: int) -> bytes:
+    """The prefix-cache key of a block of group `group_id` whose tokens hash to `block_hash`."""
+    return block_hash + group_id.to_bytes(_GROUP_BYTES, "little")
+
+
+def split_cache_key(cache_key: bytes) -> tuple[bytes, int]:
+    """(block hash, group id) of a key made by `make_cache_key`."""
+    return cache_key[:-_GROUP_BYTES], int.from_bytes(cache_key[-_GROUP_BYTES:], "little")
 
 
 class FreeBlockQueue:
@@ -86,15 +122,19 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All blocks, the free queue, and the prefix cache `cached_blocks` (hash → block)."""
+    """All blocks, the null block, the free queue, and the prefix cache `cached_blocks`
+    (cache key → block)."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}.")
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), "
+                             f"got {num_blocks}.")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.null_block = self.blocks[0]
+        self.null_block.is_null = True
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
 
     @property
@@ -102,12 +142,17 @@ class BlockPool:
         return self.free_queue.num_free_blocks
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks that can be handed out: all but the null block."""
+        return self.num_blocks - 1
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks held by some request (free but cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of usable blocks held by some request (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Pop `num_blocks` from the head of the free queue, evicting their hashes; ref_cnt 1."""
+        """Pop `num_blocks` from the head of the free queue, evicting their keys; ref_cnt 1."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} blocks: only {self.num_free_blocks} free.")
         blocks = []
@@ -119,23 +164,29 @@ class BlockPool:
         return blocks
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if block.block_hash is not None:
-            del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+        if block.cache_key is not None:
+            del self.cached_blocks[block.cache_key]
+            block.cache_key = None
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        return self.cached_blocks.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int = 0) -> KVCacheBlock | None:
+        return self.cached_blocks.get(make_cache_key(block_hash, group_id))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take one more reference on each block (a prefix hit); a free one leaves the queue."""
+        """Take one more reference on each block (a prefix hit); a free one leaves the queue.
+        The null block is skipped."""
         for block in blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; those reaching 0 join the queue's tail in order."""
+        """Drop one reference on each block; those reaching 0 join the queue's tail in order.
+        The null block is skipped."""
         for block in ordered_blocks:
+            if block.is_null:
+                continue
             if block.ref_cnt <= 0:
                 raise ValueError(f"{block} freed more often than it was taken.")
             block.ref_cnt -= 1
@@ -148,38 +199,48 @@ class BlockPool:
         block_hashes: Sequence[bytes],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
-        """Register `blocks[num_cached_blocks:num_full_blocks]` under their hashes.
+        """Register `blocks[num_cached_blocks:num_full_blocks]` of group `group_id`.
 
-        A block that already carries its hash (it came from a prefix hit) is left as it is; a
-        block whose hash another block already holds is not registered (the first one wins).
+        A block that already carries its key (it came from a prefix hit) is left as it is; a
+        block whose key another block already holds is not registered (the first one wins);
+        the null block (a skipped slot) is never registered.
         """
         if not self.enable_caching:
             return
         for index in range(num_cached_blocks, num_full_blocks):
-            block, block_hash = blocks[index], block_hashes[index]
-            if block.block_hash is not None:
-                assert block.block_hash == block_hash, f"{block} re-cached under another hash"
-            elif block_hash not in self.cached_blocks:
-                block.block_hash = block_hash
-                self.cached_blocks[block_hash] = block
+            block = blocks[index]
+            if block.is_null:
+                continue
+            key = make_cache_key(block_hashes[index], group_id)
+            if block.cache_key is not None:
+                assert block.cache_key == key, f"{block} re-cached under another key"
+            elif key not in self.cached_blocks:
+                block.cache_key = key
+                self.cached_blocks[key] = block
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash, only when no block is in use. Returns whether it did."""
-        if self.num_free_blocks != self.num_blocks:
+        """Forget every cached key, only when no block is in use. Returns whether it did."""
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.cached_blocks.values():
-            block.block_hash = None
+            block.cache_key = None
         self.cached_blocks.clear()
         return True
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the queue, the ref counts or the cache map disagree."""
+        """Raise AssertionError if the queue, the ref counts, the null block or the cache map
+        disagree."""
         self._check_free_queue()
-        for block_hash, block in self.cached_blocks.items():
-            assert block.block_hash == block_hash, f"cache map entry points to {block}"
-        hashed = [b for b in self.blocks if b.block_hash is not None]
-        assert len(hashed) == len(self.cached_blocks), "a hashed block is missing from the map"
+        null = self.null_block
+        assert null is self.blocks[0] and null.is_null, "block 0 is not the null block"
+        assert null.ref_cnt == 0 and null.cache_key is None, f"null block touched: {null!r}"
+        assert not any(b.is_null for b in self.blocks[1:]), "a second null block"
+        for cache_key, block in self.cached_blocks.items():
+            assert block.cache_key == cache_key, f"cache map entry points to {block}"
+        hashed = [b for b in self.blocks if b.cache_key is not None]
+        assert len(hashed) == len(self.cached_blocks), "a cached block is missing from the map"
 
     def _check_free_queue(self) -> None:
         queue = self.free_queue
@@ -197,6 +258,7 @@ class BlockPool:
         for i, b in enumerate(self.blocks):
             assert b.block_id == i, f"blocks[{i}] has id {b.block_id}"
             assert b.ref_cnt >= 0, f"{b} has a negative ref count"
-        zero_ref = sorted(b.block_id for b in self.blocks if b.ref_cnt == 0)
+        assert 0 not in free_ids, "the null block is in the free queue"
+        zero_ref = sorted(b.block_id for b in self.blocks[1:] if b.ref_cnt == 0)
         assert sorted(free_ids) == zero_ref, (
             f"free queue {sorted(free_ids)} != ref-0 blocks {zero_ref}")

@@ -4,6 +4,12 @@ A schedule is `{request_id: num_scheduled_tokens}`. Requests the runner has not 
 ones resumed after preemption) travel whole in `NewRequestData`; requests it already holds travel
 as diffs in `CachedRequestData` (new blocks and the new computed count). The runner keeps its own
 copy of every running request's token ids and appends the tokens it samples.
+
+Block ids come one list per KV cache group, in group order (`CacheConfig.groups`): the runner
+appends `new_block_ids[g]` to its block table of group g. A sliding-window group's list may
+hold the null block (id 0) where a prefix hit skipped blocks behind the window; blocks the
+scheduler frees later as the window passes are not replaced in the runner's table (those
+positions are outside every window, so attention never reads them).
 """
 
 from __future__ import annotations
@@ -19,14 +25,14 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # non-empty when resumed after preemption
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per group
     num_computed_tokens: int
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]  # per group: appended to the runner's tables
     num_computed_tokens: int
 
 

@@ -8,6 +8,10 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                  waiting  ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)───┤
                                                                      SchedulerOutput ◄─────┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
+
+Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
+for every group at once, so a request is admitted, grown or preempted as a whole, and block
+ids travel as one list per group.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Iterable
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -36,7 +41,8 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            cache_config.kv_cache_groups)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -90,7 +96,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
+        new_block_ids: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
 
         budget = self._schedule_running(budget, num_scheduled, new_block_ids, preempted)
@@ -122,7 +128,8 @@ class Scheduler:
         return min(num_new, budget)
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          new_block_ids: dict[str, list[int]], preempted: list[Request]) -> int:
+                          new_block_ids: dict[str, tuple[list[int], ...]],
+                          preempted: list[Request]) -> int:
         if self.config.policy == "priority":
             # Highest priority first, so a victim (the lowest) is never one already scheduled
             # this step: its newly full blocks are in the prefix cache, K/V not yet computed.
@@ -187,7 +194,8 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-    def _make_output(self, num_scheduled: dict[str, int], new_block_ids: dict[str, list[int]],
+    def _make_output(self, num_scheduled: dict[str, int],
+                     new_block_ids: dict[str, tuple[list[int], ...]],
                      admitted: list[Request], preempted: list[Request]) -> SchedulerOutput:
         kv = self.kv_cache_manager
         cached = [
@@ -196,7 +204,7 @@ class Scheduler:
         ]
         new = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                           r.sampling_params, list(kv.get_block_ids(r.request_id)),
+                           r.sampling_params, kv.get_block_ids(r.request_id),
                            r.num_computed_tokens)
             for r in admitted
         ]
@@ -292,16 +300,24 @@ class Scheduler:
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
         assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
+        max_blocks = [max_blocks_per_request(g, self.config.max_model_len,
+                                             self.config.max_num_batched_tokens)
+                      for g in kv.groups]
         for request in self.running:
             assert request.status == RequestStatus.RUNNING, request
-            covered = len(kv.get_block_ids(request.request_id)) * self.block_size
-            assert request.num_computed_tokens <= covered, f"blocks do not cover {request}"
+            for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
+                covered = len(block_ids) * self.block_size
+                assert request.num_computed_tokens <= covered, (
+                    f"group {group_id}'s blocks do not cover {request}")
+                num_held = sum(1 for block_id in block_ids if block_id != 0)
+                assert num_held <= max_blocks[group_id], (
+                    f"{request} holds {num_held} blocks of group {group_id}")
             assert request.num_computed_tokens <= (
                 request.num_tokens + request.num_output_placeholders), request
             assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
-            assert not kv.get_block_ids(request.request_id), f"waiting {request} holds blocks"
+            assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
             assert request.num_output_placeholders == 0, request
         output = self._last_output
         if output is not None:

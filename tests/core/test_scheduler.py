@@ -25,12 +25,14 @@ def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_num_seqs: int 
                    max_model_len: int = 64, threshold: int = 0, policy: str = "fcfs",
                    caching: bool = True, async_scheduling: bool = False,
                    max_batches_in_flight: int = 1) -> Scheduler:
+    """A one-group scheduler with `num_blocks` usable blocks (the pool has one more: block 0,
+    the null block)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                         max_model_len=max_model_len, long_prefill_token_threshold=threshold,
                         policy=policy, async_scheduling=async_scheduling,
                         max_batches_in_flight=max_batches_in_flight),
-        CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching))
+        CacheConfig(block_size=BS, num_blocks=num_blocks + 1, enable_prefix_caching=caching))
 
 
 def make_request(req_id: str, prompt: list[int], **kwargs) -> Request:
@@ -66,8 +68,8 @@ def schedule_of(runner: FakeRunner) -> list[tuple[str, int]]:
 def assert_all_blocks_free(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert [b.ref_cnt for b in pool.blocks] == [0] * pool.num_blocks
-    assert pool.num_free_blocks == pool.num_blocks
-    assert not scheduler.kv_cache_manager.req_to_blocks
+    assert pool.num_free_blocks == pool.num_blocks - 1  # all but the null block
+    assert not any(m.req_to_blocks for m in scheduler.kv_cache_manager.coordinator.managers)
 
 
 def assert_finished_cleanly(runner: FakeRunner) -> None:
@@ -154,13 +156,14 @@ def test_same_prompt_hits_the_cached_full_blocks_and_counts_stats() -> None:
     prompt = tokens(1, 10)
     runner = make_runner(scheduler, make_request("a", prompt, max_tokens=3))
     assert schedule_of(runner) == [("a", 10)]
-    a_blocks = scheduler.kv_cache_manager.get_block_ids("a")
+    (a_blocks,) = scheduler.kv_cache_manager.get_block_ids("a")
     scheduler.add_request(make_request("b", prompt, max_tokens=3))
     output, outputs = runner.step()
     assert list(output.num_scheduled_tokens.items()) == [("a", 1), ("b", 2)]
     (new,) = output.scheduled_new_reqs
     assert new.num_computed_tokens == 8  # two full blocks of the ten tokens
-    assert new.block_ids[:2] == a_blocks[:2] and new.block_ids[2] not in a_blocks
+    (b_blocks,) = new.block_ids
+    assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] not in a_blocks
     assert scheduler.requests["b"].num_cached_tokens == 8
     assert {o.req_id: o.num_cached_tokens for o in outputs} == {"a": 0, "b": 8}
     pool = scheduler.kv_cache_manager.block_pool
@@ -191,13 +194,13 @@ def test_cached_blocks_outlive_their_request_and_are_reused() -> None:
     scheduler = make_scheduler()
     runner = make_runner(scheduler, make_request("a", tokens(1, 9), max_tokens=1))
     runner.step()
-    a_blocks = [0, 1, 2]
-    assert scheduler.kv_cache_manager.get_block_ids("a") == []
+    a_blocks = [1, 2, 3]
+    assert scheduler.kv_cache_manager.get_block_ids("a") == ([],)
     scheduler.add_request(make_request("b", tokens(1, 9), max_tokens=1))
     output, _ = runner.step()
     assert output.finished_req_ids == {"a"}
     assert output.num_scheduled_tokens == {"b": 1}
-    assert output.scheduled_new_reqs[0].block_ids[:2] == a_blocks[:2]
+    assert output.scheduled_new_reqs[0].block_ids[0][:2] == a_blocks[:2]
     assert_finished_cleanly(runner)
 
 
@@ -258,7 +261,7 @@ def test_fcfs_preempts_the_latest_running_request_and_resumes_it_with_its_output
     assert output.preempted_req_ids == {"b"}
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and scheduler.make_stats().num_preemptions == 1
-    assert scheduler.kv_cache_manager.get_block_ids("b") == []
+    assert scheduler.kv_cache_manager.get_block_ids("b") == ([],)
     assert sum(blk.ref_cnt for blk in scheduler.kv_cache_manager.block_pool.blocks) == 3
     assert [r.request_id for r in scheduler.running] == ["a"]
     assert scheduler.waiting.peek() is b
@@ -458,9 +461,9 @@ def test_finished_request_frees_blocks_and_is_reported_once() -> None:
     runner = make_runner(scheduler, make_request("a", tokens(1, 6), max_tokens=1),
                          make_request("b", tokens(20, 6), max_tokens=3))
     runner.step()
-    assert "a" not in scheduler.requests and scheduler.kv_cache_manager.get_block_ids("a") == []
+    assert "a" not in scheduler.requests and scheduler.kv_cache_manager.get_block_ids("a") == ([],)
     pool = scheduler.kv_cache_manager.block_pool
-    assert pool.num_free_blocks == pool.num_blocks - 2
+    assert pool.num_free_blocks == pool.num_blocks - 3  # b's 2 blocks and the null block
     assert runner.step()[0].finished_req_ids == {"a"}
     assert runner.step()[0].finished_req_ids == set()
     assert_finished_cleanly(runner)
@@ -477,7 +480,7 @@ def test_abort_running_request_frees_its_blocks_and_is_reported_next_step() -> N
     (aborted,) = scheduler.finish_requests(["a"])
     assert aborted.status == RequestStatus.FINISHED_ABORTED and aborted.finish_reason == "abort"
     assert "a" not in scheduler.requests and [r.request_id for r in scheduler.running] == ["b"]
-    assert scheduler.kv_cache_manager.get_block_ids("a") == []
+    assert scheduler.kv_cache_manager.get_block_ids("a") == ([],)
     scheduler.check_invariants()
     output, _ = runner.step()
     assert output.finished_req_ids == {"a"} and output.num_scheduled_tokens == {"b": 1}
@@ -607,7 +610,7 @@ def test_async_finished_request_drops_the_token_already_in_flight() -> None:
                          token_fn=scripted({("a", 6): EOS}))
     runner.run_until_done()
     assert runner.streamed["a"] == [105, EOS] and runner.finish_reasons["a"] == "stop"
-    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_manager.num_blocks - 1
     final, _ = runner.step()
     assert final.finished_req_ids == {"a"} and not runner.states
 

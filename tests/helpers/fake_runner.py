@@ -1,8 +1,10 @@
 """A fake model runner for scheduler tests: a dict for the KV cache, a hash for the model.
 
 `FakeRunner` plays the runner's side of the protocol in `aserve/core/outputs.py`. It keeps its own
-copy of each request's token ids and block table, built only from `NewRequestData` and
-`CachedRequestData`; it "computes" a scheduled token by writing its id into a slot → token dict;
+copy of each request's token ids and one block table per KV cache group, built only from
+`NewRequestData` and `CachedRequestData`; it "computes" a scheduled token by writing
+(group, token id) into a slot → content dict in every group (block ids are shared by the groups'
+KV buffers, so a block wrongly held by two groups is overwritten and caught);
 and it samples `token_fn(req_id, position)` when a request's whole sequence is computed (partial
 prefill chunks sample nothing), plus one prompt-logprobs row per prompt position it computes for
 requests that ask (the row's token is the next prompt token). On every step it checks what a
@@ -11,11 +13,15 @@ real runner silently relies on:
 - the schedule respects the token budget, `max_num_seqs` and the long-prefill threshold, and its
   batch order is cached (running) requests first, then new ones;
 - no waiting request is admitted in a step that preempted one;
-- the diffs rebuild exactly the scheduler's token ids, block tables and computed counts;
-- attention would read the right K/V: the slots of positions [0, computed + scheduled) hold the
-  request's own tokens, so a prefix hit or a resumption never reads a block that nobody wrote or
-  that someone else overwrote;
-- every block in the prefix cache holds exactly the tokens its hash names.
+- the diffs rebuild exactly the scheduler's token ids, block tables and computed counts (a
+  sliding group's runner table keeps stale ids where the scheduler has since put the null
+  block; those positions must lie behind the window);
+- no scheduled token is written to the null block;
+- attention would read the right K/V: in a full group the slots of positions
+  [0, computed + scheduled), in a sliding group (window W) those of [max(0, p - W + 1), p] for
+  each scheduled position p, hold the request's own tokens, so a prefix hit, a resumption or a
+  freed out-of-window block never leaves a read slot that nobody wrote or someone overwrote;
+- every block in the prefix cache holds exactly the tokens its hash names, for its group.
 
 With `async_scheduling` on, step N's tokens reach the scheduler only after step N+1 has been
 scheduled and executed (as in the engine, where N+1 runs while N's outputs are processed): the
@@ -28,7 +34,10 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from aserve.config import CacheConfig
+from aserve.core.block_pool import split_cache_key
 from aserve.core.hashing import hash_block_tokens
+from aserve.core.kv_cache_utils import make_kv_cache_groups
 from aserve.core.outputs import (
     EngineCoreOutput,
     LogprobsLists,
@@ -48,14 +57,24 @@ def fake_token(req_id: str, position: int, vocab_size: int = 1000) -> int:
     return int.from_bytes(digest[:8], "little") % vocab_size
 
 
+def hybrid_cache_config(layer_windows: list[int | None], *, block_size: int, num_blocks: int,
+                        enable_prefix_caching: bool = True) -> CacheConfig:
+    """A `CacheConfig` with the KV cache groups of a model whose layer i has sliding window
+    `layer_windows[i]` (None: full attention), as the engine builds it."""
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                       enable_prefix_caching=enable_prefix_caching,
+                       kv_cache_groups=make_kv_cache_groups(layer_windows, block_size))
+
+
 @dataclass
 class _RunnerState:
     tokens: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group
     num_computed_tokens: int
     cache_salt: str | None
+    step_start: int = 0  # num_computed_tokens before this step
 
 
 class FakeRunner:
@@ -65,9 +84,11 @@ class FakeRunner:
         self.scheduler = scheduler
         self.token_fn = token_fn
         self.block_size = scheduler.block_size
+        self.windows = [g.sliding_window for g in scheduler.kv_cache_manager.groups]
         self.states: dict[str, _RunnerState] = {}
-        self.slots: dict[int, int] = {}  # slot → the token id whose K/V it holds
-        self.block_content: dict[int, bytes] = {}  # block id → chained hash of what it holds
+        self.slots: dict[int, tuple[int, int]] = {}  # slot → (group, token) whose K/V it holds
+        # block id → (group, chained hash of the tokens it holds)
+        self.block_content: dict[int, tuple[int, bytes]] = {}
         self.streamed: dict[str, list[int]] = {}  # req id → tokens from EngineCoreOutputs
         self.streamed_prompt_logprobs: dict[str, list[int]] = {}  # req id → rows' tokens
         self.finish_reasons: dict[str, str] = {}
@@ -131,12 +152,15 @@ class FakeRunner:
             assert request.status == RequestStatus.RUNNING
             assert request.num_computed_tokens <= (
                 request.num_tokens + request.num_output_placeholders)
-            covered = len(kv.get_block_ids(req_id)) * self.block_size
-            assert covered >= request.num_computed_tokens, f"blocks do not cover {request}"
+            for group_id, block_ids in enumerate(kv.get_block_ids(req_id)):
+                covered = len(block_ids) * self.block_size
+                assert covered >= request.num_computed_tokens, (
+                    f"group {group_id}'s blocks do not cover {request}")
 
     def check_prefix_cache_content(self) -> None:
-        for block_hash, block in self.scheduler.kv_cache_manager.block_pool.cached_blocks.items():
-            assert self.block_content.get(block.block_id) == block_hash, (
+        for key, block in self.scheduler.kv_cache_manager.block_pool.cached_blocks.items():
+            block_hash, group_id = split_cache_key(key)
+            assert self.block_content.get(block.block_id) == (group_id, block_hash), (
                 f"{block} is in the prefix cache but holds other (or no) K/V")
 
     # ------------------------------------------------------------------ the runner's side
@@ -168,13 +192,17 @@ class FakeRunner:
         for new in output.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent whole twice"
             salt = self.scheduler.requests[new.req_id].cache_salt
+            assert len(new.block_ids) == len(self.windows)
             self.states[new.req_id] = _RunnerState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens, salt)
+                new.sampling_params, [list(ids) for ids in new.block_ids],
+                new.num_computed_tokens, salt)
         for cached in output.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
-            state.block_ids.extend(cached.new_block_ids)
+            assert len(cached.new_block_ids) == len(self.windows)
+            for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                table.extend(new_ids)
 
     def _compute(self, req_id: str, num_tokens: int) -> LogprobsLists | None:
         """Write the K/V of the scheduled tokens; return the prompt-logprobs rows they give."""
@@ -182,22 +210,25 @@ class FakeRunner:
         known = request.num_tokens  # the runner may hold tokens still in flight to the scheduler
         assert state.tokens[:known] == request.all_token_ids, f"runner, scheduler differ: {req_id}"
         assert len(state.tokens) <= known + request.num_output_placeholders
-        assert state.block_ids == self.scheduler.kv_cache_manager.get_block_ids(req_id)
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
         assert end == request.num_computed_tokens <= len(state.tokens)
-        assert len(state.block_ids) * self.block_size >= end
+        self._check_tables(req_id, start, end)
+        state.step_start = start
         size = self.block_size
-        for position in range(start, end):
-            block_id = state.block_ids[position // size]
-            self.block_content.pop(block_id, None)
-            self.slots[block_id * size + position % size] = state.tokens[position]
+        for group_id, table in enumerate(state.block_ids):
+            for position in range(start, end):
+                block_id = table[position // size]
+                assert block_id != 0, f"{req_id} writes position {position} to the null block"
+                self.block_content.pop(block_id, None)
+                self.slots[block_id * size + position % size] = (group_id, state.tokens[position])
         state.num_computed_tokens = end
         parent = None
         for index in range(end // size):  # record what each full block now holds
             extra = (state.cache_salt,) if index == 0 and state.cache_salt is not None else None
             parent = hash_block_tokens(parent, state.tokens[index * size:(index + 1) * size], extra)
             if index >= start // size:
-                self.block_content[state.block_ids[index]] = parent
+                for group_id, table in enumerate(state.block_ids):
+                    self.block_content[table[index]] = (group_id, parent)
         if state.sampling_params.prompt_logprobs is None:
             return None
         positions = range(start, min(end, state.num_prompt_tokens - 1))
@@ -206,9 +237,29 @@ class FakeRunner:
         return LogprobsLists([[state.tokens[p + 1]] for p in positions],
                              [[-float(p)] for p in positions], [1] * len(positions))
 
+    def _check_tables(self, req_id: str, start: int, end: int) -> None:
+        """The runner's tables match the scheduler's, but where it has since nulled a block
+        behind the window of `start` (the runner keeps the stale id there)."""
+        size = self.block_size
+        tables = self.states[req_id].block_ids
+        for group_id, (table, ids) in enumerate(zip(
+                tables, self.scheduler.kv_cache_manager.get_block_ids(req_id), strict=True)):
+            window = self.windows[group_id]
+            assert len(table) == len(ids) and len(table) * size >= end, (req_id, group_id)
+            for index, (runner_id, block_id) in enumerate(zip(table, ids, strict=True)):
+                if block_id == 0:
+                    assert window is not None and (index + 1) * size <= start - window + 1, (
+                        f"{req_id}: group {group_id} nulled block {index} inside its window")
+                else:
+                    assert runner_id == block_id, f"{req_id}: group {group_id} tables differ"
+
     def _check_reads(self, req_id: str) -> None:
         state, size = self.states[req_id], self.block_size
-        for position in range(state.num_computed_tokens):
-            slot = state.block_ids[position // size] * size + position % size
-            assert self.slots.get(slot) == state.tokens[position], (
-                f"{req_id} would attend to wrong K/V at position {position}")
+        for group_id, table in enumerate(state.block_ids):
+            window = self.windows[group_id]
+            first = 0 if window is None else max(0, state.step_start - window + 1)
+            for position in range(first, state.num_computed_tokens):
+                slot = table[position // size] * size + position % size
+                assert self.slots.get(slot) == (group_id, state.tokens[position]), (
+                    f"{req_id} would attend to wrong K/V at position {position} "
+                    f"in group {group_id}")
