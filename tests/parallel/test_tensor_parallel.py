@@ -63,7 +63,7 @@ def test_tp2_pp2_greedy_matches_hf_under_preemption(model_dir_factory):
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     with LLM(model_dir, dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2,
-             num_kv_blocks=10, block_size=8, max_model_len=80) as llm:
+             num_kv_blocks=11, block_size=8, max_model_len=80) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in outputs] == expected
         assert llm.stats().num_preemptions > 0
