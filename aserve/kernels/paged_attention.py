@@ -22,7 +22,8 @@ Query at position p sees keys j with `j <= p` and, with a sliding window w, `p -
 convention). An optional soft cap squashes scores to `cap * tanh(s / cap)` before the softmax.
 All decode rows (q_len == 1) go through ONE batched call over K/V gathered into a padded
 `[B, max_len, Hkv, D]` with a length mask; each longer chunk is one SDPA call. Math happens in
-the query's dtype (as HF's sdpa does). This module imports only torch.
+the query's dtype (as HF's sdpa does), except soft-capped scores, which are float32 (the cap's
+tanh needs more than bf16's 8 bits near the cap). This module imports only torch.
 """
 
 from __future__ import annotations
@@ -58,17 +59,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
                                                   enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
+    # capped scores in float32, as in `_attend_decode`: bf16 rounds a score near a cap of 50 to a
+    # multiple of 0.25 before the softmax (float32 inputs run exactly as before)
     group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
-    v = v.repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hq, Lq, Lk]
+    k = k.float().repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
+    v = v.float().repeat_interleave(group, dim=1)  # [B, Hq, Lk, D]
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale  # [B, Hq, Lq, Lk]
     scores = torch.tanh(scores / soft_cap) * soft_cap
     if mask is None:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)  # [B, Hq, Lq, D]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs, v).to(q.dtype)  # [B, Hq, Lq, D]
 
 
 def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -15,7 +15,10 @@ program rows (G = 2):  token 0 head 0, token 0 head 1, token 1 head 0, ...
 
 The grid is sized from host-known numbers (`T // BQ + R` tiles), so nothing is read back from
 the device. A program walks its keys in tiles of 16 or 32 positions; each position finds its block
-through `block_table`, so any block size works. Softmax is online, in float32.
+through `block_table`, so any block size works. With a sliding window the walk starts
+at the first key of the tile's first query (`p - W + 1`) and reads no key before it: a hybrid
+cache's blocks out of the window may be freed (the null block, or another request's). Softmax is
+online, in float32.
 
 Split-KV (flash decoding): with `num_splits > 1` the key range of every tile is cut into that
 many partitions along a third grid axis; each writes its partial (max, sum, unnormalised
@@ -75,15 +78,17 @@ if triton is not None:
         return lo
 
     @triton.jit
-    def _attend_tile(acc, m_i, l_i, q, pos, req, kv_head, t, kv_end, k_ptr, v_ptr, table_ptr,
-                     scale, soft_cap, window, stride_table, block_size, stride_kb, stride_ks,
-                     stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM: tl.constexpr,
+    def _attend_tile(acc, m_i, l_i, q, pos, req, kv_head, t, kv_start, kv_end, k_ptr, v_ptr,
+                     table_ptr, scale, soft_cap, window, stride_table, block_size, stride_kb,
+                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM: tl.constexpr,
                      D_PAD: tl.constexpr, TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                      HAS_CAP: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-        """One online-softmax step over key positions [t * TILE_N, (t + 1) * TILE_N)."""
+        """One online-softmax step over key positions [t * TILE_N, (t + 1) * TILE_N); keys
+        outside [kv_start, kv_end) are not read (with a window, the blocks before kv_start may
+        be freed: the null block or another request's)."""
         k_pos = t * TILE_N + tl.arange(0, TILE_N)  # [TILE_N]
         dims = tl.arange(0, D_PAD)  # [D_PAD]
-        key_ok = k_pos < kv_end
+        key_ok = (k_pos >= kv_start) & (k_pos < kv_end)
         blk = tl.load(table_ptr + req * stride_table + k_pos // block_size, mask=key_ok, other=0)
         off = k_pos % block_size
         k_off = blk.to(tl.int64) * stride_kb + off * stride_ks + kv_head * stride_kh  # [TILE_N]
@@ -146,10 +151,10 @@ if triton is not None:
         pos = context + tok  # [BLOCK_M] query positions
         for t in range(lo, hi):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, pos, req, kv_head, t, kv_end, k_ptr, v_ptr, table_ptr, scale,
-                soft_cap, window, stride_table, block_size, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, HEAD_DIM, D_PAD, TILE_N, HAS_WINDOW, HAS_CAP,
-                DOT_DTYPE, PRECISION)
+                acc, m_i, l_i, q, pos, req, kv_head, t, kv_start, kv_end, k_ptr, v_ptr, table_ptr,
+                scale, soft_cap, window, stride_table, block_size, stride_kb, stride_ks,
+                stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, D_PAD, TILE_N, HAS_WINDOW,
+                HAS_CAP, DOT_DTYPE, PRECISION)
         _write_result(acc, m_i, l_i, q_row, head, row_ok, out_ptr, part_acc_ptr, part_max_ptr,
                       part_sum_ptr, stride_ot, stride_oh, G, HEAD_DIM, D_PAD, SPLIT)
 

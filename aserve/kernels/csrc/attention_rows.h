@@ -13,6 +13,9 @@
 //   keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
 //   a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
 //
+// With a sliding window W a task reads keys from its first row's first, len0 - W, on (each row
+// then masks its own): no block before it is read, as a hybrid cache may have freed it.
+//
 // The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
 // weighted sum of values with its sums in registers) is the register tiles of attention_tiles.h.
 // Blocks are scattered in memory, so the score pass fetches the K and V rows 32 keys ahead into

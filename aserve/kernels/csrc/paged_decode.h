@@ -7,6 +7,9 @@
 //
 //   block_table[r] = [7, 2, 5]   seq_len = 10, block_size = 4
 //   keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
+//
+// With a sliding window W only the last W keys are read (from block (seq_len - W) / bs on): the
+// blocks before may be freed by a hybrid cache (the null block, or another request's).
 #pragma once
 
 #include <ATen/Parallel.h>
