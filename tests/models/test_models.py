@@ -1,7 +1,7 @@
 """Models loaded by `load_model` give HF transformers' logits: full prompt through the paged
 cache, then a decode step, over the four Llama-family archs and their variants (MHA/GQA, tied,
-explicit head_dim, rope scalings, sharded checkpoints); bfloat16 runs close; loading errors
-name what is wrong."""
+explicit head_dim, rope scalings, sharded checkpoints, sliding windows shorter than the prompt);
+bfloat16 runs close; loading errors name what is wrong."""
 
 from __future__ import annotations
 
@@ -41,6 +41,9 @@ CASES = {
     "qwen2-rope-yarn": ("qwen2", {"rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}),
     "llama-sharded": ("llama", {"max_shard_size": "100KB"}),
+    "mistral-window-7": ("mistral", {"sliding_window": 7}),
+    "qwen2-window-13-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 13,
+                                                "max_window_layers": 1}),
 }
 
 
@@ -195,12 +198,12 @@ def test_missing_weight_is_named(llama_dir, tmp_path):
         load(model_dir)
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(model_dir_factory):
+def test_sliding_window_shorter_than_max_model_len_loads(model_dir_factory):
+    """The window is masked in the attention kernels: no max_model_len bound on it."""
     model_dir = model_dir_factory("mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding-window attention is not supported yet"):
-        load(model_dir)
-    model, arch = load(model_dir, max_model_len=64)  # the window never bites: accepted
-    assert arch.sliding_window == 64
+    model, arch = load(model_dir)
+    assert arch.sliding_window == 64 and effective_max_model_len(arch, None) == 512
+    assert [a.sliding_window for a in model.attention_layers()] == [64, 64]
 
 
 def test_max_model_len_beyond_max_position_embeddings_is_refused(llama_dir):
