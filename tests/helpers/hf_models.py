@@ -145,22 +145,42 @@ def _randomise_biases_and_norms(model, gemma: bool = False) -> None:
             elif "norm" in name:
                 param.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(param))
         if gemma:
-            text = model.get_decoder()  # the text model: embed_tokens, layers, norm
-            text.embed_tokens.weight.normal_(0.0, GEMMA_EMBED_STD)
-            text.norm.weight.add_(GEMMA_FINAL_NORM_OFFSET)
+            model.model.embed_tokens.weight.normal_(0.0, GEMMA_EMBED_STD)
+            model.model.norm.weight.add_(GEMMA_FINAL_NORM_OFFSET)
 
 
-def _hf_config(arch: str, kwargs: dict):
+def _build(arch: str, kwargs: dict, seed: int):
+    """The random-weight transformers model (float32, eval mode)."""
+    import torch
     import transformers
 
-    config_cls = getattr(transformers, _ARCH_CONFIGS[arch][0])
+    if arch == "gemma3-mm":
+        return _build_gemma3_mm(kwargs, seed)
     if arch == "mistral":
         kwargs.setdefault("sliding_window", None)
-    if arch == "gemma3-mm":
-        tied = kwargs.pop("tie_word_embeddings")
-        return config_cls(text_config=kwargs, vision_config=TINY_VISION_CONFIG,
-                          mm_tokens_per_image=4, tie_word_embeddings=tied)
-    return config_cls(**kwargs)
+    config_name, model_name = _ARCH_CONFIGS[arch]
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    _randomise_biases_and_norms(model, gemma=arch.startswith("gemma"))
+    return model
+
+
+def _build_gemma3_mm(text_kwargs: dict, seed: int):
+    """A Gemma3ForConditionalGeneration (tiny vision tower) whose text model has the weights of
+    the "gemma3" model built from the same arguments: both generate the same text."""
+    import torch
+    import transformers
+
+    text = _build("gemma3", dict(text_kwargs), seed)
+    tied = text_kwargs.pop("tie_word_embeddings")
+    config = transformers.Gemma3Config(text_config=text_kwargs, vision_config=TINY_VISION_CONFIG,
+                                       mm_tokens_per_image=4, tie_word_embeddings=tied)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        model.lm_head.weight.copy_(text.lm_head.weight)
+    return model
 
 
 def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
@@ -168,25 +188,18 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
     """Save a tiny random-weight transformers model (fp32) plus tokenizer and generation config.
 
     arch: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | gemma3-mm (a
-    Gemma3ForConditionalGeneration with a tiny vision tower; the overrides go to its text
-    config). `config_overrides` go to the transformers config (e.g. num_key_value_heads=4,
-    tie_word_embeddings=True, head_dim=32, rope_scaling={"rope_type": "llama3", ...});
-    `max_shard_size="100KB"` writes a sharded checkpoint with model.safetensors.index.json.
-    Gemma models are tied by default.
+    Gemma3ForConditionalGeneration with a tiny vision tower around the gemma3 text model of the
+    same overrides and seed). `config_overrides` go to the transformers (text) config (e.g.
+    num_key_value_heads=4, tie_word_embeddings=True, head_dim=32,
+    rope_scaling={"rope_type": "llama3", ...}); `max_shard_size="100KB"` writes a sharded
+    checkpoint with model.safetensors.index.json. Gemma models are tied by default.
     """
-    import torch
-    import transformers
-
-    gemma = arch.startswith("gemma")
-    tied = {"tie_word_embeddings": True} if gemma else {}
-    config = _hf_config(arch, {**TINY_CONFIG, **tied, **config_overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, _ARCH_CONFIGS[arch][1])(config).to(torch.float32).eval()
-    _randomise_biases_and_norms(model, gemma)
+    tied = {"tie_word_embeddings": True} if arch.startswith("gemma") else {}
+    model = _build(arch, {**TINY_CONFIG, **tied, **config_overrides}, seed)
     out = Path(out_dir)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
-    build_tokenizer(out, vocab_size=config.get_text_config().vocab_size)
+    build_tokenizer(out, vocab_size=model.config.get_text_config().vocab_size)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out
