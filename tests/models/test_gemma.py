@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 from helpers.hf_models import SLIDING_CASES
-from models.test_models import bind_cache, hf_logits, load, prompt, step
+from helpers.model_steps import bind_cache, hf_logits, load, prompt, step
 from safetensors.torch import load_file, save_file
 
 from aserve.models import ModelArchConfig
