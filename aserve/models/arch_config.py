@@ -69,10 +69,6 @@ class ModelArchConfig:
         return tuple(self.sliding_window if t == "sliding_attention" else None
                      for t in self.layer_types)
 
-    @property
-    def is_gemma(self) -> bool:
-        return self.architecture in _GEMMA_ARCHS
-
     @classmethod
     def from_hf(cls, hf_config: dict[str, Any],
                 generation_config: dict[str, Any] | None = None) -> ModelArchConfig:
