@@ -87,6 +87,35 @@ def qwen3_dir(model_dir_factory) -> Path:
     return model_dir_factory("qwen3")
 
 
+@pytest.fixture(scope="session")
+def sliding_dir_factory(model_dir_factory) -> Callable[[str], Path]:
+    """`factory(name) -> Path` for a model of `helpers.hf_models.SLIDING_CASES` (sliding-window
+    and hybrid models whose windows bite in the tests)."""
+    from helpers.hf_models import SLIDING_CASES
+
+    def factory(name: str) -> Path:
+        arch, overrides = SLIDING_CASES[name]
+        return model_dir_factory(arch, **overrides)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def gemma2_dir(sliding_dir_factory) -> Path:
+    return sliding_dir_factory("gemma2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(sliding_dir_factory) -> Path:
+    return sliding_dir_factory("gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_mm_dir(sliding_dir_factory) -> Path:
+    """A Gemma3ForConditionalGeneration checkpoint (tiny vision tower) around gemma3's text."""
+    return sliding_dir_factory("gemma3-mm")
+
+
 # The C++ CPU extension compiles on first use (tens of seconds, then cached under the torch
 # extensions dir). These fixtures build it when the first test that needs it runs and skip that
 # test where it cannot be built; a module-level `skipif(load...())` would build it at collection.

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from aserve.layers.bind import OpsLayer
 
@@ -12,3 +14,12 @@ class SiluAndMul(OpsLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_and_mul(x)
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2 * d] packed as [gate | up] -> gelu_tanh(gate) * up, [..., d]: HF's
+    `gelu_pytorch_tanh` gate (Gemma). Plain torch: no platform kernel fuses it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

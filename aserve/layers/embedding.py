@@ -5,7 +5,8 @@ vocab rows:  [ rank 0: 0 .. V/tp-1 | rank 1: V/tp .. 2V/tp-1 | ... ]   (last par
 embedding:   each rank looks up the ids it owns, zeroes the rest, all-reduce sums the parts
 LM head:     each rank scores its rows, all-gather concatenates, padding columns are cut
 ```
-A tied LM head shares the embedding's weight parameter.
+A tied LM head shares the embedding's weight parameter. `ScaledVocabEmbedding` multiplies the
+looked-up rows by a constant (Gemma: sqrt(hidden_size), rounded to the model dtype first).
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ class VocabEmbedding(nn.Module):
         owned = (local >= 0) & (local < self.rows_per_rank)  # [T]
         out = F.embedding(local.clamp(0, self.rows_per_rank - 1), self.weight)
         return tp_all_reduce(out * owned.unsqueeze(-1).to(out.dtype))  # [T, embedding_dim]
+
+
+class ScaledVocabEmbedding(VocabEmbedding):
+    """`VocabEmbedding` times `embed_scale`, the scale held in the default dtype at
+    construction (the model dtype, as HF's `Gemma*TextScaledWordEmbedding` rounds it)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, embed_scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.register_buffer("embed_scale", torch.tensor(embed_scale), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale  # [T, embedding_dim]
 
 
 class LMHead(VocabEmbedding, PackableLinear):

@@ -1,6 +1,7 @@
 """RMSNorm with an optional fused residual add, numerically matching HF's LlamaRMSNorm:
 `weight * (x_fp32 * rsqrt(mean(x_fp32^2) + eps)).to(input_dtype)`, through the bound
-`ops.rms_norm` (in place; its reference `rms_norm_ref` is that formula)."""
+`ops.rms_norm` (in place; its reference `rms_norm_ref` is that formula); and Gemma's, which
+scales by `1 + weight` in float32 before rounding (`GemmaRMSNorm`)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,23 @@ class RMSNorm(OpsLayer):
             return out
         self.ops.rms_norm(x, self.weight, self.eps, residual)
         return x, residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm, as HF's Gemma2RMSNorm / Gemma3RMSNorm compute it:
+    `(x_fp32 * rsqrt(mean(x_fp32^2) + eps) * (1 + weight_fp32)).to(input_dtype)`.
+
+    The checkpoint's weight is the offset from 1 (zeros: the identity scale). Plain torch: the
+    rounding comes after the scale, which no `ops.rms_norm` kernel does; no residual fusion
+    (Gemma adds the residual after its post-norms).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)  # [..., hidden]

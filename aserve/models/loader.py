@@ -1,6 +1,8 @@
 """Build a model from an HF directory: config.json -> `ModelArchConfig` -> model class on the
 device in the chosen dtype -> safetensors weights streamed tensor by tensor through each
-parameter's `weight_loader` (the packed-modules table renames q/k/v and gate/up).
+parameter's `weight_loader` (the model's `checkpoint_prefixes` table renames or skips name
+prefixes, e.g. a multimodal checkpoint's text tower; its packed-modules table renames q/k/v and
+gate/up).
 
 Reads only local files (no hub downloads). Checkpoints: `model.safetensors`, the shards named
 by `model.safetensors.index.json`, or every `*.safetensors` in the directory.
@@ -39,8 +41,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     """The model (eval mode, weights loaded) and its normalised architecture config."""
     model_dir = Path(model_config.model)
     arch = read_arch_config(model_dir)
-    max_model_len = effective_max_model_len(arch, model_config.max_model_len)
-    check_sliding_window(arch, max_model_len)
+    effective_max_model_len(arch, model_config.max_model_len)  # refuses one too long
     model_cls = get_model_class(arch.architecture)
     dtype = resolve_dtype(model_config.dtype, arch)
     with _default_dtype(dtype), torch.device(device):
@@ -86,15 +87,6 @@ def effective_max_model_len(arch: ModelArchConfig, requested: int | None) -> int
     return requested
 
 
-def check_sliding_window(arch: ModelArchConfig, max_model_len: int) -> None:
-    """A window at least max_model_len long never hides a key; a shorter one is refused."""
-    if arch.sliding_window is not None and arch.sliding_window < max_model_len:
-        raise ValueError(
-            "hybrid/sliding-window attention is not supported yet: the model's sliding window "
-            f"({arch.sliding_window} tokens) is shorter than max_model_len ({max_model_len}); "
-            f"pass max_model_len <= {arch.sliding_window}.")
-
-
 def resolve_dtype(name: str, arch: ModelArchConfig) -> torch.dtype:
     """"auto" follows config.json (float32 when it names none); else a float dtype name."""
     if name == "auto":
@@ -127,6 +119,14 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _renamed(name: str, prefixes: dict[str, str | None]) -> str | None:
+    """A checkpoint name under the model's names (`checkpoint_prefixes`); None: skip it."""
+    for prefix, replacement in prefixes.items():
+        if name.startswith(prefix):
+            return None if replacement is None else replacement + name[len(prefix):]
+    return name
+
+
 def _target(name: str, packed: dict[str, tuple[str, str | int]]
             ) -> tuple[str, str | int | None]:
     """Checkpoint name -> (parameter name, shard id or None)."""
@@ -149,12 +149,16 @@ def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) 
 def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded."""
     packed = getattr(model, "packed_modules", {})
+    prefixes = getattr(model, "checkpoint_prefixes", {})
     owns = getattr(model, "owns_weight", lambda name: True)  # another pipeline stage's: skip
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _renamed(stored, prefixes)
+                if name is None:
+                    continue
                 target, shard_id = _target(name, packed)
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
@@ -167,11 +171,12 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
                 loader = getattr(param, "weight_loader", None)
                 try:
                     if loader is None:
-                        default_weight_loader(param, f.get_tensor(name))
+                        default_weight_loader(param, f.get_tensor(stored))
                     else:
-                        loader(param, f.get_tensor(name), shard_id)
+                        loader(param, f.get_tensor(stored), shard_id)
                 except ValueError as e:
-                    raise ValueError(f"cannot load weight {name} from {path.name}: {e}") from None
+                    raise ValueError(f"cannot load weight {stored} from {path.name}: {e}"
+                                     ) from None
                 loaded.add(name)
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use: %s",

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from aserve.models.gemma import GemmaForCausalLM
 from aserve.models.llama import LlamaForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # its text tower
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,

@@ -81,6 +81,10 @@ _ARCH_CONFIGS = {  # arch -> (transformers config class name, model class name)
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    # the text config goes under `text_config`, next to TINY_VISION_CONFIG
+    "gemma3-mm": ("Gemma3Config", "Gemma3ForConditionalGeneration"),
 }
 
 # Tiny and fast, yet peaked: the default init (std 0.02) gives near-flat logits whose argmax
@@ -96,7 +100,42 @@ TINY_CONFIG = dict(
 )
 
 
-def _randomise_biases_and_norms(model) -> None:
+# Gemma scales its embedding by sqrt(hidden) and ties the LM head to it: at INIT_STD the token's
+# own row dominates the residual stream and greedy repeats one token. A small embedding keeps
+# the runs varied; a final norm scale of ~3 keeps the logits peaked (top-1/top-2 gaps over 1e-3
+# on the test prompts, against float32 differences of ~1e-6).
+GEMMA_EMBED_STD = 0.05
+GEMMA_FINAL_NORM_OFFSET = 2.0  # Gemma's norm scale is 1 + weight
+TINY_VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, image_size=28, patch_size=14)
+
+
+# Tiny models whose windows bite: prompts and generations of the tests run past the window,
+# and each case's greedy output changes when its window is lifted (tests check it). name ->
+# (arch, overrides of make_hf_model).
+_GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+_GEMMA3_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"]
+SLIDING_CASES = {
+    # layers: sliding (W=10), full; both soft-caps; attention scale 24 ** -0.5 (not head_dim's)
+    "gemma2": ("gemma2", dict(sliding_window=10, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # layers: sliding, sliding (W=8, rope base 1e4), full (rope base 1e6, linear factor 8)
+    "gemma3": ("gemma3", dict(num_hidden_layers=3, layer_types=_GEMMA3_LAYERS, sliding_window=8,
+                              query_pre_attn_scalar=24, rope_parameters=_GEMMA3_ROPE)),
+    "gemma3-mm": ("gemma3-mm", dict(num_hidden_layers=3, layer_types=_GEMMA3_LAYERS,
+                                    sliding_window=8, query_pre_attn_scalar=24,
+                                    rope_parameters=_GEMMA3_ROPE)),
+    # every layer slides, W=7: not a multiple of any block size
+    "mistral": ("mistral", dict(sliding_window=7)),
+    # layer 0 full, layers 1-2 slide (W=13)
+    "qwen2": ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=13,
+                            max_window_layers=1)),
+}
+
+
+def _randomise_biases_and_norms(model, gemma: bool = False) -> None:
+    """Gemma's norm weights are offsets from 1 (HF initialises them to zeros)."""
     import torch
 
     with torch.no_grad():
@@ -104,33 +143,63 @@ def _randomise_biases_and_norms(model) -> None:
             if name.endswith(".bias"):
                 param.normal_(0.0, INIT_STD)
             elif "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+                param.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(param))
+        if gemma:
+            model.model.embed_tokens.weight.normal_(0.0, GEMMA_EMBED_STD)
+            model.model.norm.weight.add_(GEMMA_FINAL_NORM_OFFSET)
+
+
+def _build(arch: str, kwargs: dict, seed: int):
+    """The random-weight transformers model (float32, eval mode)."""
+    import torch
+    import transformers
+
+    if arch == "gemma3-mm":
+        return _build_gemma3_mm(kwargs, seed)
+    if arch == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config_name, model_name = _ARCH_CONFIGS[arch]
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
+    _randomise_biases_and_norms(model, gemma=arch.startswith("gemma"))
+    return model
+
+
+def _build_gemma3_mm(text_kwargs: dict, seed: int):
+    """A Gemma3ForConditionalGeneration (tiny vision tower) whose text model has the weights of
+    the "gemma3" model built from the same arguments: both generate the same text."""
+    import torch
+    import transformers
+
+    text = _build("gemma3", dict(text_kwargs), seed)
+    tied = text_kwargs.pop("tie_word_embeddings")
+    config = transformers.Gemma3Config(text_config=text_kwargs, vision_config=TINY_VISION_CONFIG,
+                                       mm_tokens_per_image=4, tie_word_embeddings=tied)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(text.model.state_dict())
+        model.lm_head.weight.copy_(text.lm_head.weight)
+    return model
 
 
 def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
                   max_shard_size: str | None = None, **config_overrides) -> Path:
     """Save a tiny random-weight transformers model (fp32) plus tokenizer and generation config.
 
-    arch: llama | mistral | qwen2 | qwen3. `config_overrides` go to the transformers config
-    (e.g. num_key_value_heads=4, tie_word_embeddings=True, head_dim=32,
+    arch: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | gemma3-mm (a
+    Gemma3ForConditionalGeneration with a tiny vision tower around the gemma3 text model of the
+    same overrides and seed). `config_overrides` go to the transformers (text) config (e.g.
+    num_key_value_heads=4, tie_word_embeddings=True, head_dim=32,
     rope_scaling={"rope_type": "llama3", ...}); `max_shard_size="100KB"` writes a sharded
-    checkpoint with model.safetensors.index.json.
+    checkpoint with model.safetensors.index.json. Gemma models are tied by default.
     """
-    import torch
-    import transformers
-
-    config_name, model_name = _ARCH_CONFIGS[arch]
-    kwargs = {**TINY_CONFIG, **config_overrides}
-    if arch == "mistral":
-        kwargs.setdefault("sliding_window", None)
-    config = getattr(transformers, config_name)(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config).to(torch.float32).eval()
-    _randomise_biases_and_norms(model)
+    tied = {"tie_word_embeddings": True} if arch.startswith("gemma") else {}
+    model = _build(arch, {**TINY_CONFIG, **tied, **config_overrides}, seed)
     out = Path(out_dir)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
-    build_tokenizer(out, vocab_size=config.vocab_size)
+    build_tokenizer(out, vocab_size=model.config.get_text_config().vocab_size)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return out

@@ -1,26 +1,21 @@
 """Models loaded by `load_model` give HF transformers' logits: full prompt through the paged
 cache, then a decode step, over the four Llama-family archs and their variants (MHA/GQA, tied,
-explicit head_dim, rope scalings, sharded checkpoints); bfloat16 runs close; loading errors
-name what is wrong."""
+explicit head_dim, rope scalings, sharded checkpoints, sliding windows shorter than the prompt);
+bfloat16 runs close; loading errors name what is wrong."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 
 import pytest
 import torch
-from helpers.hf_models import load_hf_model
+from helpers.model_steps import bind_cache, hf_logits, load, prompt, step
 from safetensors.torch import load_file, save_file
 
 from aserve.backends import CpuPlatform
-from aserve.config import ModelConfig
-from aserve.layers import bind_ops
-from aserve.layers.attention import AttentionMetadata
-from aserve.models import ModelArchConfig, effective_max_model_len, load_model
+from aserve.models import ModelArchConfig, effective_max_model_len
 
-BLOCK_SIZE = 4
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 CASES = {
@@ -41,43 +36,11 @@ CASES = {
     "qwen2-rope-yarn": ("qwen2", {"rope_scaling": {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}),
     "llama-sharded": ("llama", {"max_shard_size": "100KB"}),
+    "mistral-window-7": ("mistral", {"sliding_window": 7}),
+    "qwen2-window-13-from-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": 13,
+                                                "max_window_layers": 1}),
 }
 
-
-def load(model_dir, dtype="float32", **kwargs):
-    return load_model(ModelConfig(model=str(model_dir), dtype=dtype, **kwargs))
-
-
-def hf_logits(model_dir, ids, dtype=torch.float32):
-    hf = load_hf_model(model_dir, dtype)
-    with torch.inference_mode():
-        return hf(ids[None]).logits[0].float()  # [L, vocab]
-
-
-def bind_cache(model, arch, num_blocks=32, dtype=torch.float32, pack=False) -> int:
-    """The CPU platform's kernels for `dtype` (linear weights packed only with `pack`) and a KV
-    cache; returns how many weights were packed."""
-    ops = CpuPlatform().kernel_ops(dtype)
-    num_packed = bind_ops(model, ops if pack else dataclasses.replace(ops, pack_linears=None))
-    for layer in model.attention_layers():
-        layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK_SIZE, arch.num_kv_heads,
-                                        arch.head_dim, dtype=dtype))
-    return num_packed
-
-
-def step(model, chunks):
-    """One forward of a ragged batch. chunks: (all tokens so far, num new, block ids) per request;
-    returns float32 logits of the new tokens of each request, concatenated."""
-    ids = torch.cat([tokens[-n:] for tokens, n, _ in chunks])
-    positions = torch.cat([torch.arange(len(t) - n, len(t)) for t, n, _ in chunks])
-    md = AttentionMetadata.build([n for _, n, _ in chunks], [len(t) for t, _, _ in chunks],
-                                 [b for _, _, b in chunks], BLOCK_SIZE)
-    with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, md))
-
-
-def prompt(length=21, seed=0):
-    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -195,12 +158,12 @@ def test_missing_weight_is_named(llama_dir, tmp_path):
         load(model_dir)
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(model_dir_factory):
+def test_sliding_window_shorter_than_max_model_len_loads(model_dir_factory):
+    """The window is masked in the attention kernels: no max_model_len bound on it."""
     model_dir = model_dir_factory("mistral", sliding_window=64)
-    with pytest.raises(ValueError, match="sliding-window attention is not supported yet"):
-        load(model_dir)
-    model, arch = load(model_dir, max_model_len=64)  # the window never bites: accepted
-    assert arch.sliding_window == 64
+    model, arch = load(model_dir)
+    assert arch.sliding_window == 64 and effective_max_model_len(arch, None) == 512
+    assert [a.sliding_window for a in model.attention_layers()] == [64, 64]
 
 
 def test_max_model_len_beyond_max_position_embeddings_is_refused(llama_dir):

@@ -1,0 +1,226 @@
+"""The Gemma family: Gemma-2 and Gemma-3 (text; also the text tower of a
+`Gemma3ForConditionalGeneration` checkpoint). Siblings differ only by flags read from
+`ModelArchConfig`: Gemma-3 adds q/k norms and a rope of its own for sliding layers; Gemma-2
+soft-caps its attention scores.
+
+```
+embed: x = embed_tokens(ids) * sqrt(hidden)            (the scale rounded to the model dtype)
+layer: r = x;  x = r + post_attention_norm(attn(input_norm(x)))
+       r = x;  x = r + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
+attn:  q/k/v projections, [Gemma-3: q_norm / k_norm over head_dim], rope (Gemma-3: the sliding
+       layers' own base), scale query_pre_attn_scalar ** -0.5, [Gemma-2: soft-capped scores],
+       each layer's window (`arch.layer_windows`)
+mlp:   down(gelu_tanh(gate(x)) * up(x))
+head:  final_norm, tied LM head, [cap * tanh(logits / cap)]
+```
+Every norm is Gemma's RMSNorm (scale 1 + weight, in float32). Between layers (and pipeline
+stages) the residual stream travels as (hidden, residual) like Llama's: the layer's last add is
+done by the next layer (or the final norm), which is the same sum HF computes.
+
+Parameter names are HF's, except the packed projections of `packed_modules` (as in Llama);
+`checkpoint_prefixes` maps a multimodal checkpoint's text-tower names onto them and skips its
+vision tower. No layer here has a whole-layer fast path: `ops.decoder_layer` covers pre-norm
+Llama layers only.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
+from aserve.layers.activation import GeluTanhAndMul
+from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.embedding import LMHead, ScaledVocabEmbedding
+from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.norm import GemmaRMSNorm
+from aserve.layers.rotary import RotaryEmbedding, get_rope
+from aserve.models.arch_config import ModelArchConfig
+from aserve.models.llama import MissingLayer
+
+
+class GemmaAttention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
+                 sliding_window: int | None) -> None:
+        super().__init__()
+        d = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
+                                          bias=arch.attention_bias)
+        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
+        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size,
+                                        bias=arch.o_proj_bias)
+        self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.rotary_emb = rotary_emb
+        scale = (arch.query_pre_attn_scalar or d) ** -0.5
+        self.attn = Attention(num_heads, num_kv_heads, d, scale, sliding_window,
+                              arch.attn_logit_softcapping)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            d = self.attn.head_dim
+            q = self.q_norm(q.reshape(-1, self.attn.num_heads, d)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.attn.num_kv_heads, d)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)  # [T, q_size], [T, kv_size]
+        return self.o_proj(self.attn(q, k, v, attn_metadata))  # [T, hidden]
+
+
+class GemmaMLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
+                                                       bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=arch.mlp_bias)
+        self.act_fn = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Attention then MLP, each between a pre-norm and a post-norm ("sandwich" norms)."""
+
+    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
+                 layer_idx: int = 0) -> None:
+        super().__init__()
+        self.self_attn = GemmaAttention(arch, rotary_emb, arch.layer_windows[layer_idx])
+        self.mlp = GemmaMLP(arch)
+        size, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, attn_metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:  # the previous layer's last residual add
+            hidden = residual + hidden
+        residual = hidden
+        hidden = self.self_attn(positions, self.input_layernorm(hidden), attn_metadata)
+        hidden = residual + self.post_attention_layernorm(hidden)
+        residual = hidden
+        hidden = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return self.post_feedforward_layernorm(hidden), residual  # [T, hidden] each
+
+
+class GemmaModel(nn.Module):
+    """The decoder stack, or this pipeline stage's share of it (see `LlamaModel`)."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        dtype = torch.get_default_dtype()
+        self.is_first = get_pp_rank() == 0
+        self.is_last = get_pp_rank() == get_pp_size() - 1
+        rope = (arch.head_dim, arch.rotary_dim, arch.max_position_embeddings)
+        self.rotary_emb = get_rope(*rope, arch.rope_theta, arch.rope_scaling, dtype)
+        self.local_rotary_emb = self.rotary_emb  # the sliding layers' (Gemma-3: its own base)
+        if arch.local_rope_theta is not None:
+            self.local_rotary_emb = get_rope(*rope, arch.local_rope_theta,
+                                             arch.local_rope_scaling, dtype)
+        needs_embedding = self.is_first or (self.is_last and arch.tie_word_embeddings)
+        self.embed_tokens = (ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size,
+                                                  arch.hidden_size**0.5)
+                             if needs_embedding else None)
+        self.owned = stage_layers(arch.num_layers)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(arch, self._rope_of(arch, i), i) if i in self.owned
+            else MissingLayer() for i in range(arch.num_layers))
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
+
+    def _rope_of(self, arch: ModelArchConfig, layer_idx: int) -> RotaryEmbedding:
+        sliding = arch.layer_types and arch.layer_types[layer_idx] == "sliding_attention"
+        return self.local_rotary_emb if sliding else self.rotary_emb
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T] ids (first stage) or the previous stage's (hidden, residual) -> final hidden
+        states [T, hidden] (last stage) or this stage's (hidden, residual)."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.owned.start:self.owned.stop]:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if not self.is_last:
+            return hidden, residual
+        return self.norm(hidden if residual is None else residual + hidden)  # [T, hidden]
+
+
+class GemmaForCausalLM(nn.Module):
+    """Serves Gemma2ForCausalLM, Gemma3ForCausalLM and the text of
+    Gemma3ForConditionalGeneration; the runner treats it as it does `LlamaForCausalLM`.
+
+    Build it under the target default dtype and device (the loader does); parameters are empty
+    until weights are loaded.
+    """
+
+    # checkpoint module name -> (packed module name, shard id for its weight_loader)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # checkpoint name prefix -> this model's (None: a part not served, skipped). A
+    # Gemma3ForConditionalGeneration checkpoint names its text tower either way.
+    checkpoint_prefixes = {
+        "model.language_model.": "model.",
+        "language_model.model.": "model.",
+        "language_model.lm_head.": "lm_head.",
+        "model.vision_tower.": None,
+        "vision_tower.": None,
+        "model.multi_modal_projector.": None,
+        "multi_modal_projector.": None,
+    }
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = GemmaModel(arch)
+        self.lm_head = None
+        if self.model.is_last:
+            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
+            if arch.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] (see
+        `GemmaModel.forward` for pipeline stages)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
+
+    def owns_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (renamed by `checkpoint_prefixes`) belongs to this
+        pipeline stage."""
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match:
+            return int(match.group(1)) in self.model.owned
+        parts = {"model.embed_tokens.": self.model.embed_tokens, "model.norm.": self.model.norm,
+                 "lm_head.": self.lm_head}
+        return next((part is not None for prefix, part in parts.items()
+                     if name.startswith(prefix)), True)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab], soft-capped where the model says."""
+        logits = self.lm_head(hidden)  # [N, vocab]
+        cap = self.arch.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+    def attention_layers(self) -> list[Attention]:
+        """The attention modules in layer order; the runner binds `kv_cache` on each."""
+        return [self.model.layers[i].self_attn.attn for i in self.model.owned]
