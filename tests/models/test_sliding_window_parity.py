@@ -19,6 +19,8 @@ import torch
 from helpers.hf_models import SLIDING_CASES, hf_greedy, load_hf_model
 
 from aserve import LLM, SamplingParams
+from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
+from aserve.models.loader import read_arch_config
 
 PROMPT_LENS = [20, 37, 60]  # windows are 7-13 tokens
 NUM_NEW = 32
@@ -83,8 +85,12 @@ def test_greedy_matches_hf_with_chunked_prefill_budget_16(reference):
 
 
 def test_greedy_matches_hf_under_preemption(reference):
-    llm = LLM(reference.model_dir, dtype="float32", max_model_len=128, num_kv_blocks=12,
-              block_size=16)
+    """A cache two blocks above what one maximal request holds at once (over every group):
+    the three requests cannot all run."""
+    groups = make_kv_cache_groups(read_arch_config(reference.model_dir).layer_windows, 16)
+    num_blocks = blocks_per_request(groups, 128, 16) + 2 + 1  # + the null block
+    llm = LLM(reference.model_dir, dtype="float32", max_model_len=128, num_kv_blocks=num_blocks,
+              block_size=16, max_num_batched_tokens=16)
     assert generate_ids(llm, reference.prompts) == reference.outputs
     assert llm.stats().num_preemptions > 0
 
