@@ -16,13 +16,13 @@ from concurrent.futures import Future
 from dataclasses import replace
 
 from aserve.config import ModelInfo
+from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
 from aserve.core.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
 )
-from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
 from aserve.engine.arg_utils import EngineArgs

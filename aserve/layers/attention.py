@@ -4,9 +4,9 @@ The runner binds each layer's cache `[2, num_blocks, block_size, num_kv_heads, h
 its KV cache group through `bind_kv_cache`; until then (memory profiling) the layer runs plain
 causal attention inside each request's rows. Under a hybrid KV cache every group has its own
 block table and slot mapping (`AttentionMetadata.for_group`); layers of different groups may
-share one buffer, since a block id belongs to one group at a time. Its kernels (`store_kv`, `paged_attention`, or
-`attention_forward` for both) are the bound `self.ops`; the layer never asks which device it is
-on.
+share one buffer, since a block id belongs to one group at a time. Its kernels (`store_kv`,
+`paged_attention`, or `attention_forward` for both) are the bound `self.ops`; the layer never
+asks which device it is on.
 """
 
 from __future__ import annotations
