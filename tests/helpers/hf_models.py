@@ -38,11 +38,57 @@ def corpus(repeats: int = 40) -> list[str]:
     return [f"{s} {i % 7}" for i in range(repeats) for s in _SENTENCES]
 
 
+# Gemma's chat formats, written here after the public templates' behaviour: turns between
+# <start_of_turn>role and <end_of_turn>, the assistant called "model"; Gemma-2 refuses a system
+# message and non-alternating roles, Gemma-3 folds a system message into the first user turn and
+# takes content as a string or a list of text parts.
+GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_EOS_IDS = [1, 4]  # <eos>, <end_of_turn>
+GEMMA2_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
-                    model_max_length: int = 2048) -> Path:
-    """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json."""
+                    model_max_length: int = 2048, chat_template: str | None = None) -> Path:
+    """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json.
+
+    Special tokens: ChatML's (`SPECIAL_TOKENS`), or with a Gemma chat template Gemma's
+    (`GEMMA_SPECIAL_TOKENS`: <pad> 0, <eos> 1, <bos> 2, turn markers 3, 4; the template writes
+    the BOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+    gemma = chat_template in (GEMMA2_CHAT_TEMPLATE, GEMMA3_CHAT_TEMPLATE)
+    specials = GEMMA_SPECIAL_TOKENS if gemma else SPECIAL_TOKENS
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -50,14 +96,14 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size, min_frequency=1, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus(), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
     added = {
         str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
                  "single_word": False, "special": True}
-        for i, s in enumerate(SPECIAL_TOKENS)
+        for i, s in enumerate(specials)
     }
     tok_cfg = {
         "add_bos_token": False,
@@ -70,8 +116,11 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template or CHAT_TEMPLATE,
     }
+    if gemma:
+        tok_cfg.update(bos_token="<bos>", eos_token="<eos>",
+                       pad_token="<pad>")
     (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     return out
 
