@@ -16,19 +16,22 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
 
     env              20 /  60  nvidia-smi, python, torch/triton/transformers/... versions,
                                torch's CUDA, the GPUs, the platform aserve picks
-    kernel_tests    130 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py, then
+    kernel_tests    120 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py and
+                               test_sliding_window.py (windows, soft-caps, garbage before
+                               the window), then
                                tests/runner/test_graphs.py tests/core (TRITON_INTERPRET unset
                                off CPU): counts of passed/failed/..., the tail of the output
-    parity           90 / 300  tiny random llama and qwen3 (tests/helpers/): aserve greedy
+    parity          120 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
+                               KV group, soft-caps) and mistral (W=7) (tests/helpers/): greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
                                token (a mismatch fails); float16 / bfloat16: fraction of tokens
                                equal up to the first divergence, max |logprob diff| of the chosen
                                token, HF's top-2 gap where they diverge; the same for aserve and
                                for HF at that dtype, each against HF float32 (no pass/fail)
-    graphs_vs_eager  40 / 180  same models, bfloat16, 24 requests of varied lengths: enforce_eager
+    graphs_vs_eager  50 / 180  same models, bfloat16, 24 requests of varied lengths: enforce_eager
                                vs captured decode graphs must give equal tokens; graph replays,
                                number of graphs, startup difference (capture time)
-    throughput      185 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
+    throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
                                --quick) in a temp dir; benchmarks/throughput.py --compare-hf, then
                                --no-async-scheduling; its JSON lines and the commands run
     tp               60 / 120  with `tensor_parallel_size` in EngineArgs and >= 2 GPUs (on CPU:
@@ -69,10 +72,10 @@ for _path in (REPO, REPO / "tests"):
 # name -> (full budget s, quick budget s), in running order
 BUDGETS = {
     "env": (20, 60),
-    "kernel_tests": (130, 240),
-    "parity": (90, 300),
-    "graphs_vs_eager": (40, 180),
-    "throughput": (185, 300),
+    "kernel_tests": (120, 240),
+    "parity": (120, 300),
+    "graphs_vs_eager": (50, 180),
+    "throughput": (140, 300),
     "tp": (60, 120),
 }
 PASSING = ("ok", "skipped")
@@ -287,10 +290,15 @@ def first_divergence(got: list[int], expected: list[int]) -> int:
 
 
 def build_tiny_models(ctx: Context, archs: list[str]) -> dict[str, Path]:
-    """The tests' tiny random-weight models (`make_hf_model` defaults, as `model_dir_factory`)."""
-    from helpers.hf_models import make_hf_model
+    """The tests' tiny random-weight models (`make_hf_model` defaults, as `model_dir_factory`);
+    a name of `SLIDING_CASES` (e.g. gemma2) is that sliding-window / hybrid test model."""
+    from helpers.hf_models import SLIDING_CASES, make_hf_model
 
-    return {arch: make_hf_model(ctx.root / arch, arch) for arch in archs}
+    def build(name: str) -> Path:
+        arch, overrides = SLIDING_CASES.get(name, (name, {}))
+        return make_hf_model(ctx.root / name, arch, **overrides)
+
+    return {name: build(name) for name in archs}
 
 
 def run_llm(model_dir: Path, prompts: list[list[int]], params, **kwargs) -> tuple[list, dict]:
@@ -395,8 +403,8 @@ def kernel_ops_names() -> dict:
 # ---------------------------------------------------------------- kernel_tests
 
 PYTEST_RUNS = {  # name -> (test paths, share of the time left)
-    "kernels": (["tests/kernels/test_kernels_triton.py", "tests/kernels/test_kernels_ref.py"],
-                0.75),
+    "kernels": (["tests/kernels/test_kernels_triton.py", "tests/kernels/test_kernels_ref.py",
+                 "tests/kernels/test_sliding_window.py"], 0.75),
     "graphs_and_unit": (["tests/runner/test_graphs.py", "tests/core"], 1.0),
 }
 
@@ -437,11 +445,13 @@ def as_text(data: bytes | str | None) -> str:
 PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/models/test_parity.py
 NUM_NEW = 32
 DTYPES = ["float32", "float16", "bfloat16"]
+# gemma2: a hybrid cache (a sliding and a full group), soft-caps; mistral: every layer W=7
+PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral"]
 
 
 def section_parity(ctx: Context) -> None:
     lines = []
-    for arch, model_dir in build_tiny_models(ctx, ["llama", "qwen3"]).items():
+    for arch, model_dir in build_tiny_models(ctx, PARITY_MODELS).items():
         prompts, references = parity_prompts(model_dir), {}
         for dtype in DTYPES:
             r = ctx.step(f"{arch}/{dtype}", parity_one, ctx, model_dir, prompts, dtype,
@@ -558,7 +568,7 @@ def compare_greedy(ids: list[list[int]], logprobs: list[list[float]], ref_ids: l
 
 def section_graphs_vs_eager(ctx: Context) -> None:
     lines = []
-    for arch, model_dir in build_tiny_models(ctx, ["llama", "qwen3"]).items():
+    for arch, model_dir in build_tiny_models(ctx, PARITY_MODELS).items():
         r = ctx.step(arch, graphs_one, ctx, model_dir)
         lines.append(f"{arch}: " + (f"{r['num_equal']}/{r['num_prompts']} equal, "
                                     f"{r['graphs']['num_replays']} replays, capture "
