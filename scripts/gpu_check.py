@@ -488,7 +488,9 @@ def parity_one(ctx: Context, model_dir: Path, prompts: list[list[int]], dtype: s
     for key in dict.fromkeys(["float32", dtype]):
         if key not in references:
             references[key] = hf_greedy(model_dir, key, ctx.device, prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=5)
+    # min_tokens masks EOS until max_tokens, as HF's min_new_tokens does (where a model's
+    # argmax is EOS both take the runner-up; ignore_eos would keep EOS)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW, logprobs=5)
     outputs, info = run_llm(model_dir, prompts, params, dtype=dtype, device=ctx.device)
     chosen = aserve_chosen(outputs)
     result = {**compare_greedy(*chosen, *references[dtype]), "aserve": info}
