@@ -95,11 +95,9 @@ static const WeightedValues kWeighted[9][5] = {
 static inline void store_scores(float* s, __m512 sc, float scale, float soft_cap,
                                 int64_t cnt) {
   sc = _mm512_mul_ps(sc, _mm512_set1_ps(scale));
-  if (soft_cap > 0.f) {
-    alignas(64) float tmp[16];
-    _mm512_store_ps(tmp, sc);
-    for (float& x : tmp) x = soft_cap * std::tanh(x / soft_cap);
-    sc = _mm512_load_ps(tmp);
+  if (soft_cap > 0.f) {  // cap * tanh(s / cap), 16 lanes at once
+    sc = _mm512_mul_ps(_mm512_set1_ps(soft_cap),
+                       tanh16(_mm512_div_ps(sc, _mm512_set1_ps(soft_cap))));
   }
   _mm512_mask_storeu_ps(s, tail_mask(cnt), sc);
 }

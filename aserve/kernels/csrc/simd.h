@@ -8,6 +8,8 @@
 //                                        between two bf16 ops)
 //   exp16(x)                             e^x within ~2 ulp of float (Cephes' expf polynomial on
 //                                        [-ln2/2, ln2/2], scaled by 2^n with scalef)
+//   tanh16(x)                            tanh(x) = sign(x) (1 - 2 / (e^(2|x|) + 1)), absolute
+//                                        error ~1e-7 (soft-capped scores, GELU's tanh)
 //   tail_mask(n) / word_mask(n)          the first min(n, 16) float / min(n, 32) bf16 lanes
 //   sum16(v)                             16 vectors -> the vector of their 16 horizontal sums
 //
@@ -116,5 +118,14 @@ static inline __m512 exp16(__m512 x) {
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(f, f), f),
                                  _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(y, n);
+}
+
+static inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 e = exp16(_mm512_add_ps(ax, ax));  // clamped: e^(2|x|) stays finite
+  const __m512 t = _mm512_sub_ps(
+      _mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
 }
 #endif
