@@ -43,8 +43,11 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+        self._scale: torch.Tensor | None = None  # 1 + weight in float32, made at first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._scale is None:  # weights are loaded before any forward and never change
+            self._scale = 1.0 + self.weight.float()
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)  # [..., hidden]
+        return (normed * self._scale).to(x.dtype)  # [..., hidden]
