@@ -25,19 +25,18 @@ Llama layers only.
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import GeluTanhAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
-from aserve.layers.embedding import LMHead, ScaledVocabEmbedding
+from aserve.layers.embedding import ScaledVocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import GemmaRMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
+from aserve.models.causal_lm import CausalLM
 from aserve.models.llama import MissingLayer
 
 
@@ -156,22 +155,11 @@ class GemmaModel(nn.Module):
         return self.norm(hidden if residual is None else residual + hidden)  # [T, hidden]
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(CausalLM):
     """Serves Gemma2ForCausalLM, Gemma3ForCausalLM and the text of
-    Gemma3ForConditionalGeneration; the runner treats it as it does `LlamaForCausalLM`.
+    Gemma3ForConditionalGeneration; the runner treats it as it does `LlamaForCausalLM`."""
 
-    Build it under the target default dtype and device (the loader does); parameters are empty
-    until weights are loaded.
-    """
-
-    # checkpoint module name -> (packed module name, shard id for its weight_loader)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    model_cls = GemmaModel
     # checkpoint name prefix -> this model's (None: a part not served, skipped). A
     # Gemma3ForConditionalGeneration checkpoint names its text tower either way.
     checkpoint_prefixes = {
@@ -184,35 +172,6 @@ class GemmaForCausalLM(nn.Module):
         "multi_modal_projector.": None,
     }
 
-    def __init__(self, arch: ModelArchConfig) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = GemmaModel(arch)
-        self.lm_head = None
-        if self.model.is_last:
-            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
-            if arch.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] (see
-        `GemmaModel.forward` for pipeline stages)."""
-        return self.model(input_ids, positions, attn_metadata, intermediate)
-
-    def owns_weight(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` (renamed by `checkpoint_prefixes`) belongs to this
-        pipeline stage."""
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        if match:
-            return int(match.group(1)) in self.model.owned
-        parts = {"model.embed_tokens.": self.model.embed_tokens, "model.norm.": self.model.norm,
-                 "lm_head.": self.lm_head}
-        return next((part is not None for prefix, part in parts.items()
-                     if name.startswith(prefix)), True)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], soft-capped where the model says."""
         logits = self.lm_head(hidden)  # [N, vocab]
@@ -220,7 +179,3 @@ class GemmaForCausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    def attention_layers(self) -> list[Attention]:
-        """The attention modules in layer order; the runner binds `kv_cache` on each."""
-        return [self.model.layers[i].self_attn.attn for i in self.model.owned]

@@ -9,8 +9,6 @@ checkpoint tensors are its own).
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -19,11 +17,12 @@ from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.bind import OpsLayer
-from aserve.layers.embedding import LMHead, VocabEmbedding
+from aserve.layers.embedding import VocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
+from aserve.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -179,54 +178,7 @@ class LlamaModel(nn.Module):
         return hidden  # [T, hidden]
 
 
-class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM.
+class LlamaForCausalLM(CausalLM):
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
 
-    Build it under the target default dtype and device (the loader does); parameters are empty
-    until weights are loaded.
-    """
-
-    # checkpoint module name -> (packed module name, shard id for its weight_loader)
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, arch: ModelArchConfig) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch)
-        self.lm_head = None
-        if self.model.is_last:
-            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
-            if arch.tie_word_embeddings:
-                self.lm_head.tie_to(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: [T] int64 -> final hidden states [T, hidden] (see
-        `LlamaModel.forward` for pipeline stages)."""
-        return self.model(input_ids, positions, attn_metadata, intermediate)
-
-    def owns_weight(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` belongs to this pipeline stage."""
-        match = re.match(r"model\.layers\.(\d+)\.", name)
-        if match:
-            return int(match.group(1)) in self.model.owned
-        parts = {"model.embed_tokens.": self.model.embed_tokens, "model.norm.": self.model.norm,
-                 "lm_head.": self.lm_head}
-        return next((part is not None for prefix, part in parts.items()
-                     if name.startswith(prefix)), True)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[Attention]:
-        """The attention modules in layer order; the runner binds `kv_cache` on each."""
-        return [self.model.layers[i].self_attn.attn for i in self.model.owned]
+    model_cls = LlamaModel
