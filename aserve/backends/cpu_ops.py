@@ -1,7 +1,7 @@
 """The CPU platform's kernels by dtype (`CpuPlatform.kernel_ops`), from aserve's C++ extension
 (`aserve/kernels/csrc`, built once at start-up) where it applies:
 
-    dtype      attention                   norms, RoPE, silu   linears                   argmax
+    dtype      attention                   norms, RoPE, gates  linears                   argmax
     float32    references (bit-equal HF)   references          F.linear                  C++ scan
     bfloat16   C++ row tiles (AVX-512),    C++                 aserve's AVX512-BF16      C++ scan
                else C++ decode + SDPA                          GEMM, else oneDNN packed
@@ -43,7 +43,8 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     if dtype != torch.bfloat16:
         return KernelOps(f"cpu-{str(dtype).removeprefix('torch.')}", **attention)
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,
-                     silu_and_mul=silu_and_mul, pack_linears=_pack_linears,
+                     silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul,
+                     pack_linears=_pack_linears,
                      decoder_layer=CpuDecoderBlock.of)
 
 
@@ -78,6 +79,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return cpu_elementwise.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] -> [..., d]; contiguous rows in one C++ pass."""
+    if x.is_contiguous():
+        return cpu_elementwise.gelu_tanh_and_mul(x)
+    return cpu_elementwise.gelu_tanh_and_mul_ref(x)
 
 
 class OneDnnLinear:

@@ -18,6 +18,7 @@ Each op has one calling convention whatever implements it:
                                             x <- norm(residual)
     rope(positions, q, k, cos, sin, head_dim, rotary_dim)      neox RoPE on q and k, in place
     silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
+    gelu_tanh_and_mul(x) -> gelu(x[..., :d], approximate="tanh") * x[..., d:]
     argmax(logits) -> logits.argmax(-1)        (ties: the lowest id)
     pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
@@ -113,6 +114,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
@@ -128,6 +134,7 @@ class KernelOps:
     rms_norm: Callable[..., None] = rms_norm_ref
     rope: Callable[..., None] = rotary_ref
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_ref
     argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None

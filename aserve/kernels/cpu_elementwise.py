@@ -1,12 +1,14 @@
-"""Fused bfloat16 element-wise ops for CPU: residual-add + RMSNorm, RoPE (neox style), SiLU-and-mul.
+"""Fused bfloat16 element-wise ops for CPU: residual-add + RMSNorm, RoPE (neox style), SiLU-and-mul,
+GELU(tanh)-and-mul.
 
 At decode batch sizes a layer's element-wise work is a dozen tiny torch ops each, and their
 dispatch costs more than their arithmetic; here each is one C++ loop (`csrc/elementwise.h`).
 Every op rounds to bfloat16 where the torch formulation (its `*_ref` twin below) does, so results
-match it to the last bit in almost every element (float32 reductions may differ in order). Built
-on first use (`cpu_extension.load`); `usable()` is False where it cannot be built. The twins of
-`rms_norm` and `rope` live with their Triton versions (`rms_norm.py`, `rotary.py`) and are
-re-exported here.
+match it to the last bit in almost every element (float32 reductions may differ in order; GELU's
+tanh is not torch's, yet it rounds to torch's bf16 for every gate value). Built on first use
+(`cpu_extension.load`); `usable()` is False where it cannot be built. The twins of `rms_norm`
+and `rope` live with their Triton versions (`rms_norm.py`, `rotary.py`) and are re-exported
+here.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] float32 -> [R] int64, exactly `logits.argmax(-1)` (first maximum; NaN wins)."""
     return _module().argmax_rows(logits.contiguous())
@@ -58,4 +65,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2d] = [gate | up] -> silu(gate) * up, [T, d]."""
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
     _module().silu_and_mul(out, x)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2d] = [gate | up] -> gelu_tanh(gate) * up, [T, d]."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    _module().gelu_tanh_and_mul(out, x)
     return out

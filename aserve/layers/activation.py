@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from aserve.layers.bind import OpsLayer
 
@@ -16,10 +14,9 @@ class SiluAndMul(OpsLayer):
         return self.ops.silu_and_mul(x)
 
 
-class GeluTanhAndMul(nn.Module):
+class GeluTanhAndMul(OpsLayer):
     """[..., 2 * d] packed as [gate | up] -> gelu_tanh(gate) * up, [..., d]: HF's
-    `gelu_pytorch_tanh` gate (Gemma). Plain torch: no platform kernel fuses it."""
+    `gelu_pytorch_tanh` gate (Gemma)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gelu_tanh_and_mul(x)

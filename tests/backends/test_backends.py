@@ -442,19 +442,21 @@ def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     fp32, bf16, fp16 = (platform.kernel_ops(d) for d in (torch.float32, torch.bfloat16,
                                                           torch.float16))
     # float32: the references (bit-equal to transformers), C++ argmax (exact)
-    for op in ("store_kv", "paged_attention", "rms_norm", "rope", "silu_and_mul"):
+    for op in ("store_kv", "paged_attention", "rms_norm", "rope", "silu_and_mul",
+               "gelu_tanh_and_mul"):
         assert getattr(fp32, op) is getattr(REF_OPS, op), op
     assert fp32.attention_forward is None and fp32.pack_linears is None
     assert fp32.decoder_layer is None and fp32.argmax is cpu_elementwise.argmax
     # bfloat16: the C++ kernels, packed GEMMs, the whole layer as one call
-    assert (bf16.rms_norm, bf16.rope, bf16.silu_and_mul) == (
-        cpu_ops.rms_norm, cpu_ops.rope, cpu_ops.silu_and_mul)
+    assert (bf16.rms_norm, bf16.rope, bf16.silu_and_mul, bf16.gelu_tanh_and_mul) == (
+        cpu_ops.rms_norm, cpu_ops.rope, cpu_ops.silu_and_mul, cpu_ops.gelu_tanh_and_mul)
     assert bf16.attention_forward is cpu_attention_forward
     assert bf16.pack_linears is not None and bf16.decoder_layer == CpuDecoderBlock.of
     # float16: C++ decode attention, references for the rest
     assert fp16.paged_attention is paged_attention_cpu
     assert fp16.attention_forward is cpu_attention_forward
     assert fp16.rms_norm is REF_OPS.rms_norm and fp16.pack_linears is None
+    assert fp16.gelu_tanh_and_mul is REF_OPS.gelu_tanh_and_mul
     assert platform.kernel_ops(torch.bfloat16) is bf16  # chosen once per dtype
 
 
@@ -470,6 +472,7 @@ def test_gpu_and_xla_kernel_selection_by_dtype():
             assert (ops.rms_norm, ops.rope) == (triton_ops.rms_norm, triton_ops.rope)
             assert ops.paged_attention is paged_attention_triton
             assert ops.store_kv is store_kv_triton
+            assert ops.gelu_tanh_and_mul is REF_OPS.gelu_tanh_and_mul  # torch
         fp32 = platform.kernel_ops(torch.float32)
         assert fp32.paged_attention is paged_attention_triton
         assert fp32.rms_norm is REF_OPS.rms_norm and fp32.pack_linears is None
@@ -479,6 +482,7 @@ def test_gpu_and_xla_kernel_selection_by_dtype():
 def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(
         cpu_elementwise_kernels):
     from aserve.backends import cpu_ops
+    from aserve.backends.ops import gelu_tanh_and_mul_ref
     from aserve.kernels.rms_norm import rms_norm_ref
     from aserve.kernels.rotary import rotary_ref
 
@@ -499,3 +503,23 @@ def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(
     cpu_ops.rope(positions, got_q, got_k, cos, sin, 64, 64)
     rotary_ref(positions, want_q, want_k, cos, sin, 64, 64)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    gate_up = torch.randn(5, 2, 2 * 64, generator=gen).bfloat16().transpose(0, 1)
+    assert torch.equal(cpu_ops.gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_ref(gate_up))
+
+
+def test_gated_activation_layers_run_their_bound_ops():
+    from dataclasses import replace
+
+    from aserve.backends.ops import REF_OPS
+    from aserve.layers import GeluTanhAndMul, SiluAndMul, bind_ops
+
+    x = torch.randn(3, 8)
+    gelu, silu = GeluTanhAndMul(), SiluAndMul()
+    gate, up = x.chunk(2, dim=-1)  # unbound: the references, bit-equal to HF's float32
+    assert torch.equal(gelu(x), torch.nn.functional.gelu(gate, approximate="tanh") * up)
+    assert torch.equal(silu(x), torch.nn.functional.silu(gate) * up)
+    marked = replace(REF_OPS, name="marked", gelu_tanh_and_mul=lambda t: t[..., :1],
+                     silu_and_mul=lambda t: t[..., 1:2])
+    model = torch.nn.Sequential(gelu, silu)
+    bind_ops(model, marked)
+    assert torch.equal(gelu(x), x[..., :1]) and torch.equal(silu(x), x[..., 1:2])

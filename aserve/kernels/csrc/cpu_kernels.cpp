@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(rms_norm);
   ASERVE_DEF(rope);
   ASERVE_DEF(silu_and_mul);
+  ASERVE_DEF(gelu_tanh_and_mul);
   ASERVE_DEF(argmax_rows);
   ASERVE_DEF(gemm_supported);
   ASERVE_DEF(gemm_pack);

@@ -3,6 +3,7 @@
 //   rms_norm       residual-add + RMSNorm, in place
 //   rope           neox-style RoPE, in place
 //   silu_and_mul   silu(gate) * up
+//   gelu_tanh_and_mul   gelu_tanh(gate) * up
 //   argmax_rows    torch.argmax of each float32 row
 //
 // Each is one loop where torch would dispatch a dozen tiny ops. Every op rounds to bfloat16 where
@@ -124,6 +125,51 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       for (int64_t i = 0; i < d; ++i) {
         const float a = f(g[i]);
         op[r * d + i] = bf16(f(bf16(a / (1.f + std::exp(-a)))) * f(g[d + i]));
+      }
+#endif
+    }
+  });
+}
+
+// out[t, i] = bf16(bf16(gelu_tanh(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous,
+// as torch's CPU bf16 F.gelu(approximate="tanh") computes it: in float32 of the bf16 gate,
+//   0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+// in the same order of operations, rounded once to bf16. torch's tanh is Sleef's tanhf (1 ulp,
+// and exactly +-1 beyond |x| > 8.664339742, which this copies); tanh16's error is absolute
+// (~1e-7), which after the rounding to bf16 leaves no difference over all 65,536 gate values
+// but one: a float result below FLT_MIN is a zero here (vcvtneps2bf16 flushes subnormals).
+// torch's row tails (its scalar loop) use glibc's tanh instead, one float ulp off at times.
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
+  constexpr float kSaturate = 8.664339742f;                          // Sleef: tanh = +-1 beyond
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const bf16* xp = x.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* g = xp + r * 2 * d;
+#ifdef ASERVE_AVX512
+      const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
+      const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
+      const __m512 sat = _mm512_set1_ps(kSaturate), sign = _mm512_set1_ps(-0.f);
+      for (int64_t i = 0; i < d; i += 16) {
+        const __mmask16 m = tail_mask(d - i);
+        const __m512 a = load_bf16(g + i, m);
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(a, a), a);
+        const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(a, _mm512_mul_ps(kappa, cube)));
+        const __mmask16 flat = _mm512_cmp_ps_mask(_mm512_abs_ps(inner), sat, _CMP_GT_OQ);
+        const __m512 t = _mm512_mask_mov_ps(tanh16(inner), flat,
+                                            _mm512_or_ps(_mm512_and_ps(inner, sign), one));
+        const __m512 act =
+            round_bf16(_mm512_mul_ps(_mm512_mul_ps(half, a), _mm512_add_ps(one, t)));
+        store_bf16(op + r * d + i, _mm512_mul_ps(act, load_bf16(g + d + i, m)), m);
+      }
+#else
+      for (int64_t i = 0; i < d; ++i) {
+        const float a = f(g[i]);
+        const float inner = kBeta * (a + kKappa * (a * a * a));
+        const float t = std::abs(inner) > kSaturate ? std::copysign(1.f, inner) : std::tanh(inner);
+        op[r * d + i] = bf16(f(bf16(0.5f * a * (1.f + t))) * f(g[d + i]));
       }
 #endif
     }
