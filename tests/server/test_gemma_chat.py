@@ -1,7 +1,7 @@
 """The server serves Gemma-2 and Gemma-3 directories with Gemma's chat formats: the openai SDK
 gets a chat reply equal to HF transformers' greedy continuation of the prompt HF's own
-tokenizer renders (the reply longer than the model's window), and a Gemma-2 template's refusal
-of a system message is a 400, not a dead request."""
+tokenizer renders (the reply longer than the model's window); a Gemma-2 template's refusal of a
+system message is a 400, not a dead request, and Gemma-3's folds it into the first turn."""
 
 from __future__ import annotations
 
@@ -68,12 +68,13 @@ def test_a_chat_reply_is_hf_greedy_on_hf_rendered_prompt(chat_model, client):
     assert choice.finish_reason == ("length" if len(expected) == NUM_NEW else "stop")
 
 
-def test_gemma2_refuses_a_system_message_with_a_400(chat_model, client):
-    if chat_model[0] != "gemma2":
-        pytest.skip("only Gemma-2's template refuses system messages")
+def test_a_system_message_is_refused_by_gemma2_and_folded_in_by_gemma3(chat_model, client):
+    messages = [{"role": "system", "content": "Be brief."}, MESSAGES[0]]
+    if chat_model[0] == "gemma3":
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        assert reply.choices[0].message.content is not None
+        return
     with pytest.raises(openai.BadRequestError, match="System role not supported"):
-        client.chat.completions.create(
-            model="tiny", max_tokens=4,
-            messages=[{"role": "system", "content": "Be brief."}, MESSAGES[0]])
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=messages)
     reply = client.chat.completions.create(model="tiny", messages=MESSAGES[:1], max_tokens=4)
     assert reply.choices[0].message.content is not None  # the engine still serves
