@@ -7,9 +7,9 @@ soft-caps its attention scores.
 embed: x = embed_tokens(ids) * sqrt(hidden)            (the scale rounded to the model dtype)
 layer: r = x;  x = r + post_attention_norm(attn(input_norm(x)))
        r = x;  x = r + post_feedforward_norm(mlp(pre_feedforward_norm(x)))
-attn:  q/k/v projections, [Gemma-3: q_norm / k_norm over head_dim], rope (Gemma-3: the sliding
-       layers' own base), scale query_pre_attn_scalar ** -0.5, [Gemma-2: soft-capped scores],
-       each layer's window (`arch.layer_windows`)
+attn:  `LlamaAttention` with Gemma's norm: q/k/v, [Gemma-3: q_norm / k_norm], rope (Gemma-3:
+       the sliding layers' own base), scale query_pre_attn_scalar ** -0.5, [Gemma-2:
+       soft-capped scores], each layer's window (`arch.layer_windows`)
 mlp:   down(gelu_tanh(gate(x)) * up(x))
 head:  final_norm, tied LM head, [cap * tanh(logits / cap)]
 ```
@@ -30,44 +30,14 @@ from torch import nn
 
 from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import GeluTanhAndMul
-from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.attention import AttentionMetadata
 from aserve.layers.embedding import ScaledVocabEmbedding
-from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from aserve.layers.norm import GemmaRMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.causal_lm import CausalLM
-from aserve.models.llama import MissingLayer
-
-
-class GemmaAttention(nn.Module):
-    def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
-                 sliding_window: int | None) -> None:
-        super().__init__()
-        d = arch.head_dim
-        self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
-                                          bias=arch.attention_bias)
-        num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
-        self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size,
-                                        bias=arch.o_proj_bias)
-        self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary_emb = rotary_emb
-        scale = (arch.query_pre_attn_scalar or d) ** -0.5
-        self.attn = Attention(num_heads, num_kv_heads, d, scale, sliding_window,
-                              arch.attn_logit_softcapping)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:
-            d = self.attn.head_dim
-            q = self.q_norm(q.reshape(-1, self.attn.num_heads, d)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.attn.num_kv_heads, d)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)  # [T, q_size], [T, kv_size]
-        return self.o_proj(self.attn(q, k, v, attn_metadata))  # [T, hidden]
+from aserve.models.llama import LlamaAttention, MissingLayer
 
 
 class GemmaMLP(nn.Module):
@@ -89,7 +59,8 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
                  layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = GemmaAttention(arch, rotary_emb, arch.layer_windows[layer_idx])
+        self.self_attn = LlamaAttention(arch, rotary_emb, arch.layer_windows[layer_idx],
+                                        GemmaRMSNorm)
         self.mlp = GemmaMLP(arch)
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps)

@@ -26,8 +26,13 @@ from aserve.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
+    """q/k/v projections, optional q/k norms over head_dim (`norm_cls`: Gemma brings its own),
+    rope, attention (scale head_dim ** -0.5 unless `query_pre_attn_scalar`; the layer's window;
+    the model's soft-cap), o_proj."""
+
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         d = arch.head_dim
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
@@ -36,10 +41,12 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size,
                                         bias=arch.o_proj_bias)
-        self.q_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = norm_cls(d, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = norm_cls(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(num_heads, num_kv_heads, d, d**-0.5, sliding_window)
+        scale = (arch.query_pre_attn_scalar or d) ** -0.5
+        self.attn = Attention(num_heads, num_kv_heads, d, scale, sliding_window,
+                              arch.attn_logit_softcapping)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
