@@ -105,8 +105,11 @@ void rope(torch::Tensor positions, torch::Tensor x, torch::Tensor cos, torch::Te
   });
 }
 
-// out[t, i] = bf16(bf16(silu(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous.
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+// out[t, i] = bf16(bf16(act(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous:
+// `vec_act` maps 16 float gates to their activation (AVX-512), `act` one gate (the scalar
+// build); the activation is rounded to bf16 before the product, as torch's two bf16 ops do.
+template <typename VecAct, typename Act>
+void gated_rows(torch::Tensor out, torch::Tensor x, VecAct vec_act, Act act) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
@@ -116,19 +119,30 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 #ifdef ASERVE_AVX512
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = tail_mask(d - i);
-        const __m512 a = load_bf16(g + i, m);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        const __m512 act = round_bf16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(op + r * d + i, _mm512_mul_ps(act, load_bf16(g + d + i, m)), m);
+        const __m512 a = round_bf16(vec_act(load_bf16(g + i, m)));
+        store_bf16(op + r * d + i, _mm512_mul_ps(a, load_bf16(g + d + i, m)), m);
       }
 #else
-      for (int64_t i = 0; i < d; ++i) {
-        const float a = f(g[i]);
-        op[r * d + i] = bf16(f(bf16(a / (1.f + std::exp(-a)))) * f(g[d + i]));
-      }
+      (void)vec_act;
+      for (int64_t i = 0; i < d; ++i) op[r * d + i] = bf16(f(bf16(act(f(g[i])))) * f(g[d + i]));
 #endif
     }
   });
+}
+
+// silu(a) = a / (1 + e^-a)
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  gated_rows(
+      out, x,
+      [](auto a) {
+#ifdef ASERVE_AVX512
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        return _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+#else
+        return a;
+#endif
+      },
+      [](float a) { return a / (1.f + std::exp(-a)); });
 }
 
 // out[t, i] = bf16(bf16(gelu_tanh(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous,
@@ -142,38 +156,28 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
   constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
   constexpr float kSaturate = 8.664339742f;                          // Sleef: tanh = +-1 beyond
-  const int64_t d = out.size(-1), rows = out.numel() / d;
-  const bf16* xp = x.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const bf16* g = xp + r * 2 * d;
+  gated_rows(
+      out, x,
+      [](auto a) {
 #ifdef ASERVE_AVX512
-      const __m512 beta = _mm512_set1_ps(kBeta), kappa = _mm512_set1_ps(kKappa);
-      const __m512 one = _mm512_set1_ps(1.f), half = _mm512_set1_ps(0.5f);
-      const __m512 sat = _mm512_set1_ps(kSaturate), sign = _mm512_set1_ps(-0.f);
-      for (int64_t i = 0; i < d; i += 16) {
-        const __mmask16 m = tail_mask(d - i);
-        const __m512 a = load_bf16(g + i, m);
+        const __m512 one = _mm512_set1_ps(1.f);
         const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(a, a), a);
-        const __m512 inner = _mm512_mul_ps(beta, _mm512_add_ps(a, _mm512_mul_ps(kappa, cube)));
-        const __mmask16 flat = _mm512_cmp_ps_mask(_mm512_abs_ps(inner), sat, _CMP_GT_OQ);
-        const __m512 t = _mm512_mask_mov_ps(tanh16(inner), flat,
-                                            _mm512_or_ps(_mm512_and_ps(inner, sign), one));
-        const __m512 act =
-            round_bf16(_mm512_mul_ps(_mm512_mul_ps(half, a), _mm512_add_ps(one, t)));
-        store_bf16(op + r * d + i, _mm512_mul_ps(act, load_bf16(g + d + i, m)), m);
-      }
+        const __m512 inner = _mm512_mul_ps(
+            _mm512_set1_ps(kBeta), _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(kKappa), cube)));
+        const __mmask16 flat =
+            _mm512_cmp_ps_mask(_mm512_abs_ps(inner), _mm512_set1_ps(kSaturate), _CMP_GT_OQ);
+        const __m512 t = _mm512_mask_mov_ps(
+            tanh16(inner), flat, _mm512_or_ps(_mm512_and_ps(inner, _mm512_set1_ps(-0.f)), one));
+        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), a), _mm512_add_ps(one, t));
 #else
-      for (int64_t i = 0; i < d; ++i) {
-        const float a = f(g[i]);
+        return a;
+#endif
+      },
+      [](float a) {
         const float inner = kBeta * (a + kKappa * (a * a * a));
         const float t = std::abs(inner) > kSaturate ? std::copysign(1.f, inner) : std::tanh(inner);
-        op[r * d + i] = bf16(f(bf16(0.5f * a * (1.f + t))) * f(g[d + i]));
-      }
-#endif
-    }
-  });
+        return 0.5f * a * (1.f + t);
+      });
 }
 
 // out[r] = the first index of row r's maximum, as torch.argmax (a NaN counts as the maximum:
