@@ -66,7 +66,7 @@ class SingleTypeKVCacheManager(ABC):
     @abstractmethod
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
                                max_length: int) -> list[KVCacheBlock]:
-        raise NotImplementedError
+        """This group's longest hit of at most `max_length` tokens (see the class docstring)."""
 
     def get_skipped_blocks(self, req_id: str, num_computed_tokens: int) -> list[KVCacheBlock]:
         return []

@@ -45,7 +45,15 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self._scale: torch.Tensor | None = None  # 1 + weight in float32, made at first use
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual), as `RMSNorm`."""
+        if residual is not None:
+            x = x + residual  # [..., hidden]
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if self._scale is None:  # weights are loaded before any forward and never change
             self._scale = 1.0 + self.weight.float()
         x32 = x.float()

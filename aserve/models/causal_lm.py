@@ -1,9 +1,9 @@
-"""`CausalLM`: what every decoder-only model shares around its decoder stack — the LM head
-(tied or not), the packed-projection rename table, which checkpoint tensors a pipeline stage
-owns, logits, and the attention layers the runner binds. A family file defines its decoder
-stack (`model_cls`: embeddings, layers, final norm, its stage's share under pipeline
-parallelism, attributes `embed_tokens`, `layers`, `norm`, `owned`, `is_last`) and subclasses
-this once.
+"""What every decoder-only model shares. `DecoderStack.forward`: embed (first pipeline stage)
+or take the previous stage's (hidden, residual), run this stage's layers, apply the final norm
+(last stage). `CausalLM`: around the stack, the LM head (tied or not), the packed-projection
+rename table, which checkpoint tensors a pipeline stage owns, logits, and the attention layers
+the runner binds. A family file builds its stack's parts (`DecoderStack` subclass: embedding,
+layers, final norm, its stage's share) and subclasses `CausalLM` once.
 """
 
 from __future__ import annotations
@@ -17,6 +17,30 @@ from torch import nn
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.embedding import LMHead
 from aserve.models.arch_config import ModelArchConfig
+
+
+class DecoderStack(nn.Module):
+    """The decoder stack, or this pipeline stage's share of it. A subclass's `__init__` sets
+    `is_first`, `is_last`, `embed_tokens` (None where unused), `owned` (this stage's layer
+    range), `layers` (every index; others' a stand-in) and `norm` (last stage: called as
+    `norm(hidden, residual) -> (normed, hidden + residual)`)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T] ids (first stage) or the previous stage's (hidden, residual) -> final hidden
+        states [T, hidden] (last stage) or this stage's (hidden, residual)."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:
+            hidden, residual = intermediate
+        for layer in self.layers[self.owned.start:self.owned.stop]:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        if not self.is_last:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden  # [T, hidden]
 
 
 class CausalLM(nn.Module):

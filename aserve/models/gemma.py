@@ -36,7 +36,7 @@ from aserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from aserve.layers.norm import GemmaRMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
-from aserve.models.causal_lm import CausalLM
+from aserve.models.causal_lm import CausalLM, DecoderStack
 from aserve.models.llama import LlamaAttention, MissingLayer
 
 
@@ -81,7 +81,7 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(hidden), residual  # [T, hidden] each
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderStack):
     """The decoder stack, or this pipeline stage's share of it (see `LlamaModel`)."""
 
     def __init__(self, arch: ModelArchConfig) -> None:
@@ -109,21 +109,6 @@ class GemmaModel(nn.Module):
         sliding = arch.layer_types and arch.layer_types[layer_idx] == "sliding_attention"
         return self.local_rotary_emb if sliding else self.rotary_emb
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """[T] ids (first stage) or the previous stage's (hidden, residual) -> final hidden
-        states [T, hidden] (last stage) or this stage's (hidden, residual)."""
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        else:
-            hidden, residual = intermediate
-        for layer in self.layers[self.owned.start:self.owned.stop]:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        if not self.is_last:
-            return hidden, residual
-        return self.norm(hidden if residual is None else residual + hidden)  # [T, hidden]
 
 
 class GemmaForCausalLM(CausalLM):

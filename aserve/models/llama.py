@@ -22,7 +22,7 @@ from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
-from aserve.models.causal_lm import CausalLM
+from aserve.models.causal_lm import CausalLM, DecoderStack
 
 
 class LlamaAttention(nn.Module):
@@ -147,7 +147,7 @@ class MissingLayer(nn.Module):
     checkpoint names) aligned, holds nothing, is never called."""
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderStack):
     """The decoder stack, or this pipeline stage's share of it: the first stage embeds the
     tokens, the last applies the final norm; the others pass (hidden, residual) along."""
 
@@ -167,22 +167,6 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """[T] ids (first stage) or the previous stage's (hidden, residual) -> final hidden
-        states [T, hidden] (last stage) or this stage's (hidden, residual)."""
-        if intermediate is None:
-            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        else:
-            hidden, residual = intermediate
-        for layer in self.layers[self.owned.start:self.owned.stop]:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        if not self.is_last:
-            return hidden, residual
-        hidden, _ = self.norm(hidden, residual)
-        return hidden  # [T, hidden]
 
 
 class LlamaForCausalLM(CausalLM):
