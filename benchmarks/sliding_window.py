@@ -69,24 +69,14 @@ def stdlib_corpus(max_bytes: int):
 
 
 def write_tokenizer(out: Path, vocab_size: int, corpus_mb: float, max_length: int) -> int:
-    """A byte-level BPE tokenizer trained on the standard library (so that it fills its vocab
-    and random prompt ids decode), with tests/helpers/hf_models.py's special tokens and config.
-    Returns its vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    """tests/helpers/hf_models.py's byte-level BPE tokenizer, trained on the standard library
+    (so that it fills its vocab and random prompt ids decode). Returns its vocab size."""
+    from tokenizers import Tokenizer
 
-    from tests.helpers.hf_models import SPECIAL_TOKENS, build_tokenizer
+    from tests.helpers.hf_models import build_tokenizer
 
-    build_tokenizer(out, len(SPECIAL_TOKENS) + 256, max_length)  # for tokenizer_config.json
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(stdlib_corpus(int(corpus_mb * 1e6)), trainer=trainer)
-    tok.save(str(out / "tokenizer.json"))
-    return tok.get_vocab_size()
+    build_tokenizer(out, vocab_size, max_length, texts=stdlib_corpus(int(corpus_mb * 1e6)))
+    return Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size()
 
 
 def make_model(args: argparse.Namespace, out: Path) -> dict:

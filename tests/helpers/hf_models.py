@@ -6,6 +6,7 @@ here with `tokenizers`, and (in `make_hf_model`) random-weight transformers mode
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -79,12 +80,13 @@ GEMMA3_CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
-                    model_max_length: int = 2048, chat_template: str | None = None) -> Path:
+                    model_max_length: int = 2048, chat_template: str | None = None,
+                    texts: Iterable[str] | None = None) -> Path:
     """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json.
 
     Special tokens: ChatML's (`SPECIAL_TOKENS`), or with a Gemma chat template Gemma's
     (`GEMMA_SPECIAL_TOKENS`: <pad> 0, <eos> 1, <bos> 2, turn markers 3, 4; the template writes
-    the BOS)."""
+    the BOS). `texts`: the training corpus (default: `corpus()`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     gemma = chat_template in (GEMMA2_CHAT_TEMPLATE, GEMMA3_CHAT_TEMPLATE)
@@ -98,7 +100,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=1, special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
     added = {
         str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
