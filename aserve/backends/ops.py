@@ -26,6 +26,10 @@ Each op has one calling convention whatever implements it:
     decoder_layer(DecoderLayerWeights) -> DecoderLayerFn | None
                     optional: a whole pre-norm decoder layer as one call, where the platform
                     has one for these weights (None: module by module)
+    fused_moe(ExpertWeights) -> FusedMoEFn
+                    a MoE layer's experts, prepared once after loading (packed where the
+                    platform packs); the result runs (x, topk_weights, topk_ids) -> [T, H]:
+                    each token's top-k experts, weighted and summed (`fused_moe_ref`)
 
 Which implementation each platform picks, by dtype, is the table in docs/design.md ("Kernel
 selection"): `cpu_ops.py` for the CPU, `triton_ops.py` for CUDA / ROCm; XLA runs `REF_OPS`.
@@ -40,6 +44,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels.moe import fused_moe_ref
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rotary_ref
@@ -109,6 +114,41 @@ class DecoderLayerWeights:
     tp_size: int  # > 1: the row-parallel outputs need an all-reduce
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One MoE layer's experts on this rank, for `fused_moe` (layout: `aserve.kernels.moe`).
+
+    Under expert parallelism `w13` / `w2` hold this rank's experts only and `expert_map` maps a
+    global expert id to its local index (-1: another rank's); under tensor parallelism each
+    expert's intermediate size is this rank's share.
+    """
+
+    w13: torch.Tensor  # [E_local, 2I, H]: [gate; up] rows per expert
+    w2: torch.Tensor  # [E_local, H, I]
+    w13_bias: torch.Tensor | None = None  # [E_local, 2I]
+    w2_bias: torch.Tensor | None = None  # [E_local, H] (None on all but one rank under TP)
+    activation: str = "silu"  # silu | gelu_tanh | swiglu_oai (`kernels.moe.apply_activation`)
+    alpha: float = 1.702  # swiglu_oai: gate * sigmoid(alpha * gate)
+    limit: float | None = None  # swiglu_oai: the clamp
+    expert_map: torch.Tensor | None = None  # [E_global] int32; None: every expert is local
+
+
+class FusedMoEFn(Protocol):
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_weights [T, k] float32, topk_ids [T, k] global ids -> [T, H] in
+        x's dtype: this rank's experts' share of each token's weighted sum."""
+
+
+def fused_moe_ref_fn(w: ExpertWeights) -> FusedMoEFn:
+    """`fused_moe_ref` over `w`'s tensors (nothing to prepare)."""
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe_ref(x, w.w13, w.w2, topk_weights, topk_ids, activation=w.activation,
+                             w13_bias=w.w13_bias, w2_bias=w.w2_bias, expert_map=w.expert_map,
+                             alpha=w.alpha, limit=w.limit)
+    return run
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -139,6 +179,7 @@ class KernelOps:
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None
+    fused_moe: Callable[[ExpertWeights], FusedMoEFn] = fused_moe_ref_fn
 
 
 REF_OPS = KernelOps("ref")
