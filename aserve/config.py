@@ -116,3 +116,26 @@ class DistributedConfig:
     timeout_s: float = 600.0
     tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
     pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per TP rank
+    moe_combine: str = "all-reduce"  # expert parallelism: "all-reduce" or "all-to-all"
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts model's routing and expert shapes (`models/moe_config.py` reads them
+    from the HF config; `layers/moe.py` builds from them)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # each routed expert's
+    sparse_layers: tuple[bool, ...]  # per layer: a MoE block (True) or the dense MLP
+    scoring: str = "softmax"  # softmax | topk_softmax (`aserve.kernels.moe.select_experts`)
+    renormalize: bool = False  # top-k weights rescaled to sum to 1
+    round_weights: bool = False  # weights rounded to the model dtype (HF's Qwen-MoE)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert
+    activation: str = "silu"  # silu | swiglu_oai (`aserve.kernels.moe.apply_activation`)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float | None = None
+    expert_bias: bool = False  # gpt-oss: biased expert projections
+    router_bias: bool = False  # gpt-oss: a biased router
+    interleaved_gate_up: bool = False  # gpt-oss' fused checkpoint: [E, H, 2I], gate/up alternating

@@ -26,6 +26,8 @@ Each op has one calling convention whatever implements it:
     decoder_layer(DecoderLayerWeights) -> DecoderLayerFn | None
                     optional: a whole pre-norm decoder layer as one call, where the platform
                     has one for these weights (None: module by module)
+    select_experts(router_logits, top_k, *, scoring, renormalize, weights_dtype)
+                    -> (weights [T, k] float32, ids [T, k]): a MoE router's choice
     fused_moe(ExpertWeights) -> FusedMoEFn
                     a MoE layer's experts, prepared once after loading (packed where the
                     platform packs); the result runs (x, topk_weights, topk_ids) -> [T, H]:
@@ -44,7 +46,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from aserve.kernels.moe import fused_moe_ref
+from aserve.kernels.moe import fused_moe_ref, select_experts
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rotary_ref
@@ -179,6 +181,7 @@ class KernelOps:
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None
+    select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]] = select_experts
     fused_moe: Callable[[ExpertWeights], FusedMoEFn] = fused_moe_ref_fn
 
 

@@ -7,7 +7,8 @@
         │  pipeline stages: hidden states sent stage to stage, logits back to rank 0
 
 `init_distributed` joins the world through a TCP rendezvous (rank 0's address and port), makes
-the tensor-parallel group (the whole world while pipeline parallelism is 1) and a gloo group for
+the tensor-parallel group (the whole world while pipeline parallelism is 1; also the expert-
+parallel group under `--enable-expert-parallel`) and a gloo group for
 control messages, so that they travel over host memory even when the model's collectives use
 NCCL. Control messages are the frozen dataclasses of `aserve.executor.messages` (ints and numpy
 arrays inside), pickled once per step, sent point to point without waiting for the receiver, so
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from aserve.config import DistributedConfig
-from aserve.distributed.state import get_tp_rank, get_tp_size, set_pp, set_tp
+from aserve.distributed.state import get_tp_rank, get_tp_size, set_ep, set_pp, set_tp
 
 _control_group: Any = None
 _pending: deque[tuple[Any, torch.Tensor]] = deque()  # sends in flight and their buffers
@@ -53,6 +54,8 @@ def init_distributed(config: DistributedConfig) -> None:
         tp_group = groups[config.rank // tp_size]
     set_tp(config.rank % tp_size, tp_size, tp_group)
     set_pp(config.rank // tp_size, pp_size, config.pp_layer_partition)
+    if config.enable_expert_parallel:  # the EP group is the stage's TP group
+        set_ep(config.rank % tp_size, tp_size, tp_group, config.moe_combine)
 
 
 def _isend(tensor: torch.Tensor, peer: int, group: Any = None) -> None:
@@ -118,3 +121,4 @@ def shutdown_distributed() -> None:
     _pending.clear()
     set_tp(0, 1, None)
     set_pp(0, 1)
+    set_ep(0, 1, None)

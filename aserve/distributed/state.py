@@ -1,8 +1,13 @@
-"""Tensor-parallel rank state read by the parallel layers.
+"""Tensor-, pipeline- and expert-parallel rank state read by the parallel layers.
 
 With one rank this is rank 0 of a group of size 1 and the collectives below are no-ops.
-`init_distributed` (comm.py) records a rank's place and process group through `set_tp`; layers
-read the state when they are built, so it is set before the model is.
+`init_distributed` (comm.py) records a rank's place and process groups through `set_tp`,
+`set_pp` and `set_ep`; layers read the state when they are built, so it is set before the
+model is.
+
+Expert parallelism (`--enable-expert-parallel`, vLLM's semantics) reuses a stage's TP ranks as
+its EP group: attention stays tensor-parallel, and each MoE layer holds whole experts, rank r
+those of `expert_range(E)` (E / ep each, the first E % ep ranks one more).
 """
 
 from __future__ import annotations
@@ -17,6 +22,11 @@ _tp_group: Any = None  # a torch.distributed ProcessGroup once tensor parallelis
 _pp_rank = 0
 _pp_size = 1
 _pp_partition: tuple[int, ...] | None = None
+_ep_rank = 0
+_ep_size = 1
+_ep_group: Any = None
+MOE_COMBINES = ("all-reduce", "all-to-all")
+_moe_combine = "all-reduce"
 
 
 def get_pp_rank() -> int:
@@ -85,3 +95,50 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def get_ep_rank() -> int:
+    return _ep_rank
+
+
+def get_ep_size() -> int:
+    """Ranks sharing a MoE layer's experts (1: no expert parallelism)."""
+    return _ep_size
+
+
+def get_ep_group() -> Any:
+    return _ep_group
+
+
+def get_moe_combine() -> str:
+    """How expert outputs meet: "all-reduce" (every rank holds every token and sums its experts'
+    share) or "all-to-all" (tokens split over the ranks, sent to their experts' ranks and back)."""
+    return _moe_combine
+
+
+def set_ep(rank: int, size: int, group: Any = None, combine: str = "all-reduce") -> None:
+    """Record this process's expert-parallel rank, group size, process group and combine mode."""
+    global _ep_rank, _ep_size, _ep_group, _moe_combine
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"bad expert-parallel rank {rank} for size {size}.")
+    if combine not in MOE_COMBINES:
+        raise ValueError(f"unknown MoE combine {combine!r}; known: {', '.join(MOE_COMBINES)}.")
+    _ep_rank, _ep_size, _ep_group, _moe_combine = rank, size, group, combine
+
+
+def expert_range(num_experts: int, rank: int | None = None, size: int | None = None) -> range:
+    """The global ids of the experts EP rank `rank` (default: this one) holds: contiguous,
+    num_experts // size each and one more on the first num_experts % size ranks."""
+    rank = _ep_rank if rank is None else rank
+    size = _ep_size if size is None else size
+    base, extra = divmod(num_experts, size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the expert-parallel group, in place; identity for one rank."""
+    if _ep_size == 1:
+        return x
+    torch.distributed.all_reduce(x, group=_ep_group)
+    return x

@@ -4,7 +4,8 @@ model: the runner binds its platform's choice for the model's dtype right after 
 layer not bound yet runs `REF_OPS`, the float32 torch references.
 
 Binding also packs the linear weights, where the platform has a GEMM layout of its own
-(`KernelOps.pack_linears`), all in one call and in forward order.
+(`KernelOps.pack_linears`), all in one call and in forward order, and prepares each
+`PreparedLayer` (a MoE layer's experts for `KernelOps.fused_moe`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,22 @@ class PackableLinear(OpsLayer):
         self.packed_weight = packed
 
 
+class PreparedLayer(OpsLayer):
+    """A layer that hands its loaded weights to its ops once they are bound (`prepare`), e.g.
+    a MoE layer's experts to `ops.fused_moe`, which may pack them."""
+
+    def prepare(self) -> None:
+        """Called by `bind_ops` after `self.ops` is set (and after loading)."""
+
+
 def bind_ops(model: nn.Module, ops: KernelOps) -> int:
-    """Bind `ops` to every `OpsLayer` of `model` and pack its linear weights where `ops` packs;
-    returns how many weights were packed."""
+    """Bind `ops` to every `OpsLayer` of `model`, prepare every `PreparedLayer` and pack the
+    linear weights where `ops` packs; returns how many linear weights were packed."""
     for module in model.modules():
         if isinstance(module, OpsLayer):
             module.ops = ops
+        if isinstance(module, PreparedLayer):
+            module.prepare()
     if ops.pack_linears is None:
         return 0
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]

@@ -153,14 +153,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split over ranks; partial outputs are summed by an all-reduce.
 
-    The bias is added once, on rank 0, before the reduction.
+    The bias is added once, on rank 0, before the reduction. `reduce_results=False` leaves the
+    partial sum to the caller (a MoE block sums its shared expert's with its experts' first).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         tp_size = get_tp_size()
         if input_size % tp_size:
             raise ValueError(f"input size {input_size} is not divisible by tp {tp_size}.")
         super().__init__(input_size // tp_size, output_size, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if param.dim() == 1:  # bias: replicated
@@ -171,4 +174,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(self._linear(x, bias))  # [T, output]
+        out = self._linear(x, bias)  # [T, output], this rank's partial sum
+        return tp_all_reduce(out) if self.reduce_results else out

@@ -23,6 +23,9 @@ from typing import Any
 
 import torch
 
+from aserve.config import MoEConfig
+from aserve.models.moe_config import moe_config
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCALED_ROPE_WITH_ORIGINAL_LEN = ("llama3", "yarn")
 
@@ -60,6 +63,7 @@ class ModelArchConfig:
     # Gemma-3: the sliding layers' rope (None: every layer uses rope_theta / rope_scaling).
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    moe: MoEConfig | None = None  # a mixture of experts: its routing and which layers are sparse
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -90,6 +94,7 @@ class ModelArchConfig:
         qkv_bias, o_bias = _attention_biases(arch, cfg)
         window, layer_types = _layer_types(arch, cfg)
         is_gemma = arch in _GEMMA_ARCHS
+        _refuse_quantization(arch, hf_config)
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=hidden,
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -98,7 +103,7 @@ class ModelArchConfig:
             rotary_dim=int(head_dim * partial), max_position_embeddings=max_pos,
             rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias, o_proj_bias=o_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", *_GEMMA3_ARCHS), sliding_window=window,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3_ARCHS), sliding_window=window,
             layer_types=layer_types,
             dtype=_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype"))),
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
@@ -111,7 +116,8 @@ class ModelArchConfig:
             final_logit_softcapping=(cfg.get("final_logit_softcapping") or None
                                      if is_gemma else None),
             local_rope_theta=None if local is None else local[0],
-            local_rope_scaling=None if local is None else local[1])
+            local_rope_scaling=None if local is None else local[1],
+            moe=moe_config(arch, cfg))
 
 
 _GEMMA3_ARCHS = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -127,6 +133,14 @@ _GEMMA3_DEFAULTS = dict(
 # the defaults below them)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": 4096},
+    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2,
+                           "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Qwen2MoeForCausalLM": {"num_experts": 60, "num_experts_per_tok": 4,
+                            "moe_intermediate_size": 1408,
+                            "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
+                            "qkv_bias": True},
+    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8,
+                            "moe_intermediate_size": 768, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"sliding_window": 4096},
     "Qwen3ForCausalLM": {"sliding_window": 4096},
     "Gemma2ForCausalLM": dict(
@@ -210,6 +224,8 @@ def _attention_biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     """(q/k/v bias, o_proj bias). HF Qwen2 hard-codes biased q/k/v and an unbiased o_proj."""
     if arch == "Qwen2ForCausalLM":
         return True, False
+    if arch == "Qwen2MoeForCausalLM":  # its own key, o_proj never biased
+        return bool(cfg.get("qkv_bias", True)), False
     bias = bool(cfg.get("attention_bias", False))
     return bias, bias
 
@@ -217,21 +233,26 @@ def _attention_biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+_WINDOW_OPT_IN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+                  "Qwen3MoeForCausalLM")  # slide only with `use_sliding_window`
+_EVERY_LAYER_SLIDES = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+
+
 def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     """(the sliding window, each layer's attention type), as transformers 5 reads them.
 
-    `sliding_window` 0 or null means none. Llama never slides; Mistral slides every layer (HF's
-    Mistral ignores `layer_types`); Qwen2/3 only with `use_sliding_window`, from
-    `max_window_layers` on; Gemma-2 its even layers; Gemma-3 layer i iff (i + 1) %
-    `sliding_window_pattern` (default 6) != 0 — each unless `layer_types` says otherwise. Any
-    attention type but full and sliding is refused, naming it.
+    `sliding_window` 0 or null means none. Llama never slides; Mistral, Mixtral and Qwen3-MoE
+    slide every layer (their HF attention ignores `layer_types`); the Qwen families only with
+    `use_sliding_window`: Qwen2/3 from `max_window_layers` on, Qwen2-MoE its even layers below
+    it; Gemma-2 its even layers; Gemma-3 all but every `sliding_window_pattern`-th — each unless
+    `layer_types` says otherwise. Any attention type but full and sliding is refused, naming it.
     """
     num_layers = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") or None
-    if arch == "LlamaForCausalLM" or (arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+    if arch == "LlamaForCausalLM" or (arch in _WINDOW_OPT_IN
                                       and not cfg.get("use_sliding_window", False)):
         window = None
-    types = None if arch == "MistralForCausalLM" else cfg.get("layer_types")
+    types = None if arch in _EVERY_LAYER_SLIDES else cfg.get("layer_types")
     if types is None:
         types = ["sliding_attention" if window is not None and _slides_by_default(arch, cfg, i)
                  else "full_attention" for i in range(num_layers)]
@@ -251,11 +272,24 @@ def _slides_by_default(arch: str, cfg: dict[str, Any], layer: int) -> bool:
     """Whether `layer` slides in a config without `layer_types` (and with a window)."""
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         return layer >= cfg.get("max_window_layers", 28)
+    if arch == "Qwen2MoeForCausalLM":
+        return layer % 2 == 0 and layer < cfg.get("max_window_layers", 28)
     if arch == "Gemma2ForCausalLM":
         return layer % 2 == 0
     if arch in _GEMMA3_ARCHS:
         return (layer + 1) % (cfg.get("sliding_window_pattern") or 6) != 0
-    return True  # Mistral: every layer
+    return True  # Mistral, Mixtral, Qwen3-MoE: every layer
+
+
+def _refuse_quantization(arch: str, hf_config: dict[str, Any]) -> None:
+    """A quantized checkpoint (any `quantization_config`: gpt-oss' MXFP4 experts, GPTQ, AWQ,
+    FP8...) is refused, naming its method: aserve loads float weights only."""
+    quant = hf_config.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ValueError(f"{arch} checkpoint is quantized ({method}); aserve loads only "
+                         "float32 / bfloat16 / float16 weights (a dequantized checkpoint "
+                         "works).")
 
 
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:

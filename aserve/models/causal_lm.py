@@ -57,6 +57,9 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # (regex, replacement) applied to every checkpoint name, after `checkpoint_prefixes`
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.arch = arch

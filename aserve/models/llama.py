@@ -1,5 +1,7 @@
 """The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm over head_dim,
-before rope). Siblings differ only by flags read from `ModelArchConfig`.
+before rope), and their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a layer's MLP is
+a `SparseMoeBlock` where `arch.moe` says so). Siblings differ only by flags read from
+`ModelArchConfig`.
 
 Parameter names are HF's, except the packed projections listed in `packed_modules`:
 q_proj/k_proj/v_proj load into `qkv_proj` and gate_proj/up_proj into `gate_up_proj`. Under
@@ -19,6 +21,7 @@ from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.bind import OpsLayer
 from aserve.layers.embedding import VocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.moe import SparseMoeBlock
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
@@ -61,12 +64,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    """down(silu(gate(x)) * up(x)); `intermediate_size` other than the model's for a MoE
+    block's shared expert, whose partial sum (`reduce_results=False`) the block reduces."""
+
+    def __init__(self, arch: ModelArchConfig, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        size = arch.intermediate_size
+        size = intermediate_size or arch.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size],
                                                        bias=arch.mlp_bias, silu_gated=True)
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=arch.mlp_bias)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias=arch.mlp_bias,
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,15 +84,27 @@ class LlamaMLP(nn.Module):
         return self.down_proj(act)  # [T, hidden]
 
 
+def make_mlp(arch: ModelArchConfig, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s MLP: a MoE block where the model is sparse there (with Qwen2-MoE's
+    shared expert), else the dense one."""
+    moe = arch.moe
+    if moe is None or not moe.sparse_layers[layer_idx]:
+        return LlamaMLP(arch)
+    shared = (LlamaMLP(arch, moe.shared_expert_intermediate_size, reduce_results=False)
+              if moe.shared_expert_intermediate_size else None)
+    return SparseMoeBlock(moe, arch.hidden_size, shared)
+
+
 class LlamaDecoderLayer(OpsLayer):
-    """Pre-norm attention then MLP; where the bound ops have a whole-layer fast path for this
-    layer's weights (`ops.decoder_layer`), a step runs as that one call instead."""
+    """Pre-norm attention then MLP (or MoE block); where the bound ops have a whole-layer fast
+    path for this layer's weights (`ops.decoder_layer`, dense MLPs only), a step runs as that
+    one call instead."""
 
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
                  layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(arch, rotary_emb, arch.layer_windows[layer_idx])
-        self.mlp = LlamaMLP(arch)
+        self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # (the KV cache it was made for, the fast path or None)
@@ -114,7 +134,8 @@ class LlamaDecoderLayer(OpsLayer):
 
     def _fast_path(self) -> DecoderLayerFn | None:
         kv_cache = self.self_attn.attn.kv_cache
-        if self.ops.decoder_layer is None or kv_cache is None:
+        if self.ops.decoder_layer is None or kv_cache is None or not isinstance(self.mlp,
+                                                                                  LlamaMLP):
             return None
         if self._fast is None or self._fast[0] is not kv_cache:
             self._fast = (kv_cache, self.ops.decoder_layer(self.layer_weights()))
@@ -170,6 +191,8 @@ class LlamaModel(DecoderStack):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM."""
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and their mixtures of
+    experts: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM."""
 
     model_cls = LlamaModel
+    checkpoint_renames = ((r"\.block_sparse_moe\.", ".mlp."),)  # Mixtral's MoE block

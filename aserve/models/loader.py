@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -24,6 +25,7 @@ from torch import nn
 
 from aserve.config import ModelConfig
 from aserve.layers.linear import default_weight_loader
+from aserve.layers.moe import expert_target
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.registry import get_model_class
 
@@ -136,20 +138,45 @@ def _target(name: str, packed: dict[str, tuple[str, str | int]]
     return name, None
 
 
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name after the model's regex renames (`checkpoint_renames`)."""
+    for pattern, replacement in renames:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
 def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) -> set[str]:
-    """Checkpoint names the model needs: its parameter names with packed modules unpacked."""
+    """Checkpoint names the model needs: its parameter names with packed modules unpacked
+    (expert parameters aside: their layers account for them, `missing_weights`)."""
     names = set()
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
+        if hasattr(param, "expert_range"):
+            continue
         sources = [name.replace(f".{p}.", f".{m}.") for m, (p, _) in packed.items()
                    if f".{p}." in name]
         names.update(sources or [name])
     return names
 
 
+def _missing(model: nn.Module, packed: dict[str, tuple[str, str | int]],
+             loaded: set[str]) -> list[str]:
+    missing = sorted(_expected_names(model, packed) - loaded)
+    for prefix, module in model.named_modules():
+        if hasattr(module, "missing_weights"):
+            missing += module.missing_weights(prefix.removesuffix(".experts"))
+    return missing
+
+
 def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
-    """Stream every tensor of `files` into `model`; error naming any weight left unloaded."""
+    """Stream every tensor of `files` into `model`; error naming any weight left unloaded.
+
+    A name is renamed (prefixes, then the model's regex renames), then matched as an expert
+    tensor (`expert_target`: only this rank's experts are read) before the packed-module
+    renames, so `experts.{e}.gate_proj` is an expert's and `mlp.gate_proj` the dense MLP's.
+    """
     packed = getattr(model, "packed_modules", {})
     prefixes = getattr(model, "checkpoint_prefixes", {})
+    renames = getattr(model, "checkpoint_renames", ())
     owns = getattr(model, "owns_weight", lambda name: True)  # another pipeline stage's: skip
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
@@ -159,11 +186,16 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
                 name = _renamed(stored, prefixes)
                 if name is None:
                     continue
-                target, shard_id = _target(name, packed)
+                name = _rename(name, renames)
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
                 if not owns(name):
                     continue
+                expert = expert_target(name)
+                if expert is not None and expert[0] in params:
+                    _load_expert(params[expert[0]], f, stored, expert, path)
+                    continue
+                target, shard_id = _target(name, packed)
                 if target not in params:
                     unexpected.append(name)
                     continue
@@ -181,6 +213,23 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use: %s",
                        len(unexpected), ", ".join(unexpected[:8]))
-    missing = sorted(_expected_names(model, packed) - loaded)
+    missing = _missing(model, packed, loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")
+
+
+def _load_expert(param: nn.Parameter, f, stored: str, target: tuple[str, str, int | None],
+                 path: Path) -> None:
+    """One expert tensor, if this rank holds the expert; a fused one, this rank's slice."""
+    _, kind, expert = target
+    experts = param.expert_range
+    if expert is not None and expert not in experts:
+        return  # another expert-parallel rank's: not read
+    try:
+        if expert is None:
+            tensor = f.get_slice(stored)[experts.start:experts.stop]
+        else:
+            tensor = f.get_tensor(stored)
+        param.weight_loader(param, tensor, (kind, expert))
+    except ValueError as e:
+        raise ValueError(f"cannot load weight {stored} from {path.name}: {e}") from None
