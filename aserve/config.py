@@ -102,6 +102,9 @@ class ModelInfo:
     layer_windows: tuple[int | None, ...] = ()
 
 
+MOE_COMBINES = ("all-reduce", "all-to-all")  # how expert-parallel outputs meet
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     """Where this process sits: `rank` of `world_size` (`local_rank` on its node), TCP

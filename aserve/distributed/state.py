@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from aserve.config import MOE_COMBINES
+
 _tp_rank = 0
 _tp_size = 1
 _tp_group: Any = None  # a torch.distributed ProcessGroup once tensor parallelism exists
@@ -25,7 +27,6 @@ _pp_partition: tuple[int, ...] | None = None
 _ep_rank = 0
 _ep_size = 1
 _ep_group: Any = None
-MOE_COMBINES = ("all-reduce", "all-to-all")
 _moe_combine = "all-reduce"
 
 

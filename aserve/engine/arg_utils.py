@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from aserve.config import CacheConfig, KVCacheGroupSpec, ModelConfig, SchedulerConfig
+from aserve.config import (
+    MOE_COMBINES,
+    CacheConfig,
+    KVCacheGroupSpec,
+    ModelConfig,
+    SchedulerConfig,
+)
 from aserve.executor.spec import RankLayout, WorkerSpec
 
 
@@ -35,6 +41,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
     pipeline_parallel_size: int = 1  # stages of consecutive layers, a batch per stage in flight
     pp_layer_partition: str | None = None  # layers per stage, e.g. "10,20"; None: even split
+    # MoE layers hold whole experts per TP rank (attention stays tensor-parallel); a dense model
+    # has nothing to place, so it changes nothing there (as in vLLM)
+    enable_expert_parallel: bool = False
+    moe_combine: str = "all-reduce"  # how expert-parallel outputs meet: all-reduce | all-to-all
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
     # MASTER_ADDR, MASTER_PORT) when set.
@@ -57,6 +67,9 @@ class EngineArgs:
                              "address), the same on every node.")
         if self.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be at least 1.")
+        if self.moe_combine not in MOE_COMBINES:
+            raise ValueError(f"moe_combine {self.moe_combine!r} must be one of "
+                             f"{', '.join(MOE_COMBINES)}.")
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             if len(parts) != self.pipeline_parallel_size or not all(
@@ -81,7 +94,8 @@ class EngineArgs:
         return RankLayout(
             self.tensor_parallel_size * self.pipeline_parallel_size, self.tensor_parallel_size,
             self.nnodes, self.master_addr, self.master_port,
-            tuple(int(n) for n in partition.split(",")) if partition else None)
+            tuple(int(n) for n in partition.split(",")) if partition else None,
+            self.enable_expert_parallel, self.moe_combine)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

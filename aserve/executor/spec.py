@@ -60,6 +60,8 @@ class RankLayout:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
     pp_layer_partition: tuple[int, ...] | None = None
+    enable_expert_parallel: bool = False
+    moe_combine: str = "all-reduce"
 
     @property
     def ranks_per_node(self) -> int:
@@ -75,4 +77,6 @@ class RankLayout:
         return DistributedConfig(node_rank * self.ranks_per_node + local_rank, self.world_size,
                                  local_rank, self.master_addr, self.master_port,
                                  tp_size=self.tp_size,
-                                 pp_layer_partition=self.pp_layer_partition)
+                                 pp_layer_partition=self.pp_layer_partition,
+                                 enable_expert_parallel=self.enable_expert_parallel,
+                                 moe_combine=self.moe_combine)

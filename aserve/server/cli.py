@@ -69,6 +69,13 @@ ENGINE_HELP = {
                               "ranks (with async scheduling, one batch per stage in flight)",
     "pp_layer_partition": "layers per pipeline stage, comma-separated, e.g. 10,20 (default: "
                           "an even split)",
+    "enable_expert_parallel": "MoE models: each tensor-parallel rank holds whole experts "
+                              "(E / tp, uneven counts allowed) instead of a slice of every "
+                              "expert; attention stays tensor-parallel; no effect on a dense "
+                              "model",
+    "moe_combine": "with --enable-expert-parallel: all-reduce (every rank routes every token) "
+                   "| all-to-all (each rank's share of the tokens travels to its experts' "
+                   "ranks and back)",
     "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
               "$NNODES or 1)",
     "node_rank": "this node's index; node 0 serves HTTP, the others run ranks only (default: "
