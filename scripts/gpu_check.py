@@ -21,6 +21,11 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                the window), then
                                tests/runner/test_graphs.py tests/core (TRITON_INTERPRET unset
                                off CPU): counts of passed/failed/..., the tail of the output
+    fused_moe       120 / 240  pytest tests/kernels/test_fused_moe_triton.py (a CUDA-graph
+                               capture among them; ~50 kernel builds), then fused_moe_triton vs
+                               fused_moe_ref on a Mixtral-ish bf16 layer (T=256, E=8, k=2,
+                               H=1024, I=2816; tiny under the CPU interpreter): ms per call, the
+                               first call (the build), each one's max error against float32
     parity          120 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
                                KV group, soft-caps) and mistral (W=7) (tests/helpers/): greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
@@ -73,6 +78,7 @@ for _path in (REPO, REPO / "tests"):
 BUDGETS = {
     "env": (20, 60),
     "kernel_tests": (120, 240),
+    "fused_moe": (120, 240),
     "parity": (120, 300),
     "graphs_vs_eager": (50, 180),
     "throughput": (140, 300),
@@ -390,7 +396,7 @@ def kernel_ops_names() -> dict:
 
     platform = select_platform("auto")
     ops_names = ("store_kv", "paged_attention", "attention_forward", "rms_norm", "rope",
-                 "silu_and_mul", "argmax", "pack_linears", "decoder_layer")
+                 "silu_and_mul", "argmax", "pack_linears", "decoder_layer", "fused_moe")
     names = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ops = platform.kernel_ops(dtype)
@@ -438,6 +444,80 @@ def run_pytest(ctx: Context, paths: list[str], timeout: float) -> dict:
 
 def as_text(data: bytes | str | None) -> str:
     return data.decode(errors="replace") if isinstance(data, bytes) else data or ""
+
+
+# ---------------------------------------------------------------- fused_moe
+
+MOE_TESTS = ["tests/kernels/test_fused_moe_triton.py"]
+MOE_TIMING_RESERVE_S = 25  # of the section's budget, for the timing after the tests
+MOE_SHAPES = {  # (T, E, k, H, I): Mixtral-ish on a GPU; tiny under the CPU interpreter
+    "cuda": (256, 8, 2, 1024, 2816),
+    "cpu": (16, 4, 2, 64, 96),
+}
+
+
+def section_fused_moe(ctx: Context) -> None:
+    tests = ctx.step("tests", run_pytest, ctx, MOE_TESTS, ctx.left() - MOE_TIMING_RESERVE_S)
+    timing = ctx.step("timing", time_fused_moe, ctx)
+    line = "error" if "error" in timing else (
+        f"triton {timing['triton']['ms']} ms, ref {timing['ref']['ms']} ms "
+        f"(x{timing['speedup']}) at {timing['shape']}")
+    ctx.result["summary"] = f"tests: {tests.get('counts', 'error')}; {line}"
+
+
+def time_fused_moe(ctx: Context) -> dict:
+    """fused_moe_triton vs fused_moe_ref on one bf16 layer: ms per call (after a first call,
+    which builds the kernels), and each one's max |error| against the float32 reference."""
+    if ctx.device == "cpu":  # before aserve.kernels decorates its kernels
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from aserve.kernels.fused_moe_triton import fused_moe_ref, fused_moe_triton
+    from aserve.kernels.moe import select_experts
+
+    device = "cpu" if ctx.device == "cpu" else "cuda"
+    num_tokens, num_experts, top_k, hidden, inter = MOE_SHAPES[device]
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=gen), top_k,
+                                  renormalize=True)
+    exact_args = [t.to(device) for t in (x.bfloat16().float(), w13.bfloat16().float(),
+                                         w2.bfloat16().float(), weights, ids)]
+    args = [t.to(device=device, dtype=torch.bfloat16) for t in (x, w13, w2)] + exact_args[3:]
+    exact = fused_moe_ref(*exact_args)
+    result = {"shape": dict(T=num_tokens, E=num_experts, k=top_k, H=hidden, I=inter),
+              "dtype": "bfloat16", "device": device}
+    for name, fn in (("triton", fused_moe_triton), ("ref", fused_moe_ref)):
+        result[name] = time_calls(fn, args, 3 if device == "cpu" else 20, device)
+        result[name]["max_abs_err_vs_float32"] = (fn(*args).float() - exact).abs().max().item()
+    result["speedup"] = round(result["ref"]["ms"] / result["triton"]["ms"], 2)
+    step = torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+    triton_err, ref_err = (result[n]["max_abs_err_vs_float32"] for n in ("triton", "ref"))
+    if triton_err > 2 * ref_err + step:
+        ctx.fail(f"fused_moe_triton max error {triton_err:.3g} vs the reference's {ref_err:.3g}")
+    return result
+
+
+def time_calls(fn, args: list, iters: int, device: str) -> dict:
+    """The first call's seconds, then ms per call over `iters` calls (synchronised)."""
+    import torch
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    t0 = time.perf_counter()
+    fn(*args)
+    sync()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(*args)
+    sync()
+    return {"first_call_s": round(first, 3),
+            "ms": round((time.perf_counter() - t0) / iters * 1e3, 3), "iters": iters}
 
 
 # ---------------------------------------------------------------- parity
@@ -735,7 +815,8 @@ def tp_one(ctx: Context, model_dir: Path) -> dict:
 
 # ---------------------------------------------------------------- entry points
 
-SECTIONS = {"env": section_env, "kernel_tests": section_kernel_tests, "parity": section_parity,
+SECTIONS = {"env": section_env, "kernel_tests": section_kernel_tests,
+            "fused_moe": section_fused_moe, "parity": section_parity,
             "graphs_vs_eager": section_graphs_vs_eager, "throughput": section_throughput,
             "tp": section_tp}
 

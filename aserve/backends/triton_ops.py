@@ -1,21 +1,23 @@
 """The CUDA / ROCm platforms' kernels (`CudaPlatform.kernel_ops`): the Triton kernels of
 `aserve/kernels`, each checked against its torch `*_ref` twin.
 
-    dtype           attention                     norms, RoPE          silu, argmax, linears
-    bf16 / fp16     store_kv_triton,              rms_norm_triton,     torch (F.silu, argmax,
-                    paged_attention_triton        rotary_triton        F.linear)
-    float32         the same Triton attention     references           torch
+    dtype        attention                norms, RoPE       silu, argmax, linears   fused MoE
+    bf16 / fp16  store_kv_triton,         rms_norm_triton,  torch (F.silu, argmax,  fused_moe_triton
+                 paged_attention_triton   rotary_triton     F.linear)
+    float32      Triton, as above         references        torch                   fused_moe_triton
 
 The norm and RoPE wrappers keep the op's calling convention for every input: what the Triton
 kernel does not take (a non-contiguous tensor, [T, H, D] rows, int32 positions) goes to the
-reference.
+reference. `fused_moe` makes a layer's expert weights contiguous once, after loading (not per
+step).
 """
 
 from __future__ import annotations
 
 import torch
 
-from aserve.backends.ops import KernelOps
+from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps
+from aserve.kernels.fused_moe_triton import fused_moe_triton
 from aserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from aserve.kernels.rotary import rotary_ref, rotary_triton
 
@@ -24,10 +26,11 @@ def triton_kernel_ops(dtype: torch.dtype) -> KernelOps:
     from aserve.kernels.paged_attention_triton import paged_attention_triton
     from aserve.kernels.store_kv import store_kv_triton
 
-    attention = {"store_kv": store_kv_triton, "paged_attention": paged_attention_triton}
+    common = {"store_kv": store_kv_triton, "paged_attention": paged_attention_triton,
+              "fused_moe": fused_moe}
     if dtype not in (torch.bfloat16, torch.float16):
-        return KernelOps("triton", **attention)
-    return KernelOps("triton-fused", **attention, rms_norm=rms_norm, rope=rope)
+        return KernelOps("triton", **common)
+    return KernelOps("triton-fused", **common, rms_norm=rms_norm, rope=rope)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -47,3 +50,16 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: 
         rotary_triton(positions, q, k, cos, sin, head_dim, rotary_dim)
     else:
         rotary_ref(positions, q, k, cos, sin, head_dim, rotary_dim)
+
+
+def fused_moe(w: ExpertWeights) -> FusedMoEFn:
+    """`fused_moe_triton` over `w`'s tensors, made contiguous here once (not per step)."""
+    w13, w2 = w.w13.contiguous(), w.w2.contiguous()
+    w13_bias = None if w.w13_bias is None else w.w13_bias.contiguous()
+    w2_bias = None if w.w2_bias is None else w.w2_bias.contiguous()
+
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, activation=w.activation,
+                                w13_bias=w13_bias, w2_bias=w2_bias, expert_map=w.expert_map,
+                                alpha=w.alpha, limit=w.limit)
+    return run

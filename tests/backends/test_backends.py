@@ -457,12 +457,13 @@ def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     assert fp16.attention_forward is cpu_attention_forward
     assert fp16.rms_norm is REF_OPS.rms_norm and fp16.pack_linears is None
     assert fp16.gelu_tanh_and_mul is REF_OPS.gelu_tanh_and_mul
+    assert fp32.fused_moe is fp16.fused_moe is REF_OPS.fused_moe  # fused_moe_ref
     assert platform.kernel_ops(torch.bfloat16) is bf16  # chosen once per dtype
 
 
 def test_gpu_and_xla_kernel_selection_by_dtype():
     from aserve.backends import triton_ops
-    from aserve.backends.ops import REF_OPS
+    from aserve.backends.ops import REF_OPS, fused_moe_ref_fn
     from aserve.kernels.paged_attention_triton import paged_attention_triton
     from aserve.kernels.store_kv import store_kv_triton
 
@@ -473,10 +474,43 @@ def test_gpu_and_xla_kernel_selection_by_dtype():
             assert ops.paged_attention is paged_attention_triton
             assert ops.store_kv is store_kv_triton
             assert ops.gelu_tanh_and_mul is REF_OPS.gelu_tanh_and_mul  # torch
+            assert ops.fused_moe is triton_ops.fused_moe
         fp32 = platform.kernel_ops(torch.float32)
         assert fp32.paged_attention is paged_attention_triton
         assert fp32.rms_norm is REF_OPS.rms_norm and fp32.pack_linears is None
+        assert fp32.fused_moe is triton_ops.fused_moe
     assert XlaPlatform().kernel_ops(torch.bfloat16) is REF_OPS
+    assert REF_OPS.fused_moe is fused_moe_ref_fn
+
+
+def test_triton_fused_moe_takes_strided_expert_weights_and_matches_the_reference():
+    """The factory makes the weights contiguous once; the kernel runs under the Triton
+    interpreter here (conftest.py), on the GPU where there is one."""
+    pytest.importorskip("triton")
+    from aserve.backends import triton_ops
+    from aserve.backends.ops import ExpertWeights, fused_moe_ref_fn
+    from aserve.kernels.fused_moe_triton import _gate_up_kernel
+    from aserve.kernels.triton_utils import is_interpreted
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not is_interpreted(_gate_up_kernel):
+        pytest.skip("no GPU, and the kernels were decorated before TRITON_INTERPRET=1 was set")
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 32, 24, generator=gen).transpose(1, 2) / 5  # [E, 2I=24, H=32], strided
+    w2 = torch.randn(4, 12, 32, generator=gen).transpose(1, 2) / 4  # [E, H=32, I=12]
+    bias = torch.randn(4, 24, generator=gen)
+    expert_map = torch.tensor([2, -1, 0, 1, -1, 3], dtype=torch.int32)
+    x = torch.randn(5, 32, generator=gen)
+    weights = torch.softmax(torch.randn(5, 2, generator=gen), dim=-1)
+    ids = torch.tensor([[0, 1], [2, 3], [5, 4], [1, 4], [3, 0]])
+    experts = ExpertWeights(w13.to(device), w2.to(device), w13_bias=bias.to(device),
+                            activation="swiglu_oai", limit=0.5, expert_map=expert_map.to(device))
+    run = triton_ops.fused_moe(experts)
+    got = run(x.to(device), weights.to(device), ids.to(device))
+    want = fused_moe_ref_fn(ExpertWeights(w13, w2, w13_bias=bias, activation="swiglu_oai",
+                                          limit=0.5, expert_map=expert_map))(x, weights, ids)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    assert torch.all(got[3] == 0)  # both of token 3's experts are another rank's
 
 
 def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(
