@@ -101,6 +101,18 @@ def sliding_dir_factory(model_dir_factory) -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
+def moe_dir_factory(model_dir_factory) -> Callable[..., Path]:
+    """`factory(name, **extra) -> Path` for a model of `helpers.hf_models.MOE_CASES`."""
+    from helpers.hf_models import MOE_CASES
+
+    def factory(name: str, **extra) -> Path:
+        arch, overrides = MOE_CASES[name]
+        return model_dir_factory(arch, **overrides, **extra)
+
+    return factory
+
+
+@pytest.fixture(scope="session")
 def gemma2_dir(sliding_dir_factory) -> Path:
     return sliding_dir_factory("gemma2")
 

@@ -65,7 +65,7 @@ def all_to_all_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     back = _exchange(y, recv_counts, send_counts)  # [t * k, H], in `order`
     slots = torch.empty_like(back)
     slots[order] = back
-    slots = slots.view(num_tokens, top_k, -1).float()  # [t, k, H]
+    slots = slots.view(num_tokens, top_k, x.shape[-1]).float()  # [t, k, H]
     by_expert = torch.argsort(topk_ids, dim=-1, stable=True)  # sum in expert-id order
     out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     for j in range(top_k):

@@ -189,6 +189,23 @@ SLIDING_CASES = {
 }
 
 
+# Tiny mixtures of experts whose routing matters: tests check that changing top-k (and, for
+# Qwen, the renormalisation) changes HF's greedy output. name -> (arch, overrides).
+MOE_CASES = {
+    # 5 experts (odd: an uneven split over 2 expert-parallel ranks), top-2, renormalised
+    "mixtral": ("mixtral", dict(num_local_experts=5, num_experts_per_tok=2)),
+    # 6 experts top-3 unnormalised + a sigmoid-gated shared expert; layer 1 dense
+    # (mlp_only_layers), layer 2 sparse
+    "qwen2_moe": ("qwen2_moe", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                                    moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                    norm_topk_prob=False, mlp_only_layers=[1])),
+    # 7 experts top-3 renormalised, q/k norms; every other layer sparse (decoder_sparse_step 2)
+    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=7, num_experts_per_tok=3,
+                                    moe_intermediate_size=48, norm_topk_prob=True,
+                                    decoder_sparse_step=2)),
+}
+
+
 def _randomise_biases_and_norms(model, gemma: bool = False) -> None:
     """Gemma's norm weights are offsets from 1 (HF initialises them to zeros)."""
     import torch
@@ -239,12 +256,14 @@ def _build_gemma3_mm(text_kwargs: dict, seed: int):
 
 
 def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
-                  max_shard_size: str | None = None, **config_overrides) -> Path:
+                  max_shard_size: str | None = None, fused_experts: bool = False,
+                  **config_overrides) -> Path:
     """Save a tiny random-weight transformers model (fp32) plus tokenizer and generation config.
 
     arch: llama | mistral | qwen2 | qwen3 | gemma2 | gemma3 | gemma3-mm (a
     Gemma3ForConditionalGeneration with a tiny vision tower around the gemma3 text model of the
-    same overrides and seed). `config_overrides` go to the transformers (text) config (e.g.
+    same overrides and seed) | mixtral | qwen2_moe | qwen3_moe | gpt_oss. `fused_experts=True`
+    saves MoE experts in transformers 5's fused 3-D layout instead of the per-expert one. `config_overrides` go to the transformers (text) config (e.g.
     num_key_value_heads=4, tie_word_embeddings=True, head_dim=32,
     rope_scaling={"rope_type": "llama3", ...}); `max_shard_size="100KB"` writes a sharded
     checkpoint with model.safetensors.index.json. Gemma models are tied by default.
@@ -253,6 +272,8 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
     model = _build(arch, {**TINY_CONFIG, **tied, **config_overrides}, seed)
     out = Path(out_dir)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    if fused_experts:
+        save_kwargs["save_original_format"] = False
     model.save_pretrained(out, safe_serialization=True, **save_kwargs)
     build_tokenizer(out, vocab_size=model.config.get_text_config().vocab_size)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}

@@ -11,60 +11,28 @@ HF's output, and its greedy runs are varied.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from helpers.hf_models import SLIDING_CASES, hf_greedy, load_hf_model
+from helpers.parity import (
+    NUM_NEW,
+    PROMPT_LENS,
+    Reference,
+    generate_ids,
+    greedy,
+    hf_reference,
+    hf_variant,
+)
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
 from aserve.models.loader import read_arch_config
-
-PROMPT_LENS = [20, 37, 60]  # windows are 7-13 tokens
-NUM_NEW = 32
-
-
-@dataclass
-class Reference:
-    name: str
-    model_dir: Path
-    prompts: list[list[int]]
-    outputs: list[list[int]]  # HF's greedy continuations
-    logits: list[torch.Tensor]  # HF's raw logits of each step, [NUM_NEW, vocab] per prompt
-
-
-def hf_variant(model_dir: Path, **text_config):
-    """HF's model of `model_dir` with its (text) config changed."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    for key, value in text_config.items():
-        setattr(config.get_text_config(), key, value)
-    return AutoModelForCausalLM.from_pretrained(model_dir, config=config,
-                                                dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=list(SLIDING_CASES))
 def reference(request, sliding_dir_factory) -> Reference:
-    model_dir = sliding_dir_factory(request.param)
-    model = load_hf_model(model_dir)
-    rng = random.Random(0)
-    vocab = model.config.get_text_config().vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENS]
-    outputs, logits = hf_greedy(model, prompts, NUM_NEW, with_logits=True)
-    return Reference(request.param, model_dir, prompts, outputs, logits)
-
-
-def greedy(**extra) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.0, "max_tokens": NUM_NEW, "ignore_eos": True,
-                             **extra})
-
-
-def generate_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
-    return [o.outputs[0].token_ids for o in outputs]
+    return hf_reference(request.param, sliding_dir_factory(request.param))
 
 
 def test_the_window_changes_hf_greedy_output_which_is_varied(reference):
