@@ -1,7 +1,8 @@
-"""Expert parallelism on CPU (gloo, 2 processes): the all-to-all dispatch and combine with tokens
-split unevenly over the ranks (one rank may hold none) equals the single-rank MoE in float32
-(to the last bits its GEMMs' row grouping changes); `python -m aserve` serves a tiny Mixtral to
-the openai client, on one rank and with `-tp 2 --enable-expert-parallel`; on a dense model the flag changes nothing.
+"""Expert parallelism on CPU (gloo, 2 processes): the all-to-all dispatch and combine with
+tokens split unevenly over the ranks (one rank may hold none) equals the single-rank MoE in
+float32 (to the last bits its GEMMs' row grouping changes); `python -m aserve` serves a tiny
+Mixtral to the openai client, on one rank and with `-tp 2 --enable-expert-parallel`; on a dense
+model the flag changes nothing.
 """
 
 from __future__ import annotations
