@@ -133,13 +133,12 @@ _GEMMA3_DEFAULTS = dict(
 # the defaults below them)
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"sliding_window": 4096},
-    "MixtralForCausalLM": {"num_local_experts": 8, "num_experts_per_tok": 2,
-                           "rms_norm_eps": 1e-5, "rope_theta": 1e6},
-    "Qwen2MoeForCausalLM": {"num_experts": 60, "num_experts_per_tok": 4,
+    "MixtralForCausalLM": {"num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Qwen2MoeForCausalLM": {"num_experts_per_tok": 4,
                             "moe_intermediate_size": 1408,
                             "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
                             "qkv_bias": True},
-    "Qwen3MoeForCausalLM": {"num_experts": 128, "num_experts_per_tok": 8,
+    "Qwen3MoeForCausalLM": {"num_experts_per_tok": 8,
                             "moe_intermediate_size": 768, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"sliding_window": 4096},
     "Qwen3ForCausalLM": {"sliding_window": 4096},

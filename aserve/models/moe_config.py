@@ -22,6 +22,9 @@ from typing import Any
 from aserve.config import MoEConfig
 
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# transformers' default expert counts, for a config.json that names none
+_DEFAULT_NUM_EXPERTS = {"MixtralForCausalLM": 8, "Qwen2MoeForCausalLM": 60,
+                        "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128}
 _MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
               "GptOssForCausalLM")
 
@@ -31,10 +34,8 @@ def moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
     if arch not in _MOE_ARCHS:
         return None
     _refuse_unsupported_routing(arch, cfg)
-    num_experts = next((cfg[k] for k in _EXPERT_COUNT_KEYS if cfg.get(k)), None)
-    if not num_experts:
-        raise ValueError(f"{arch} config names no expert count (one of "
-                         f"{', '.join(_EXPERT_COUNT_KEYS)}).")
+    num_experts = next((cfg[k] for k in _EXPERT_COUNT_KEYS if cfg.get(k)),
+                       _DEFAULT_NUM_EXPERTS[arch])
     top_k = cfg.get("num_experts_per_tok") or 2
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be between 1 and the "
