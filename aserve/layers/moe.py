@@ -231,7 +231,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class SparseMoeBlock(OpsLayer):
     """Router, experts and (Qwen2-MoE) a sigmoid-gated shared expert:
 
-        weights, ids = self.ops.select_experts(gate(x))      top-k of a float32 softmax (or gpt-oss')
+        weights, ids = select_experts(gate(x))      top-k of a float32 softmax (or gpt-oss')
         out = experts(x, weights, ids) [+ sigmoid(shared_expert_gate(x)) * shared_expert(x)]
 
     One all-reduce per block: the experts' and the shared expert's partial sums meet in it.

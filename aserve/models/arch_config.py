@@ -6,8 +6,9 @@ module looks at raw HF keys: rope parameters in either the transformers-5 form
 `type` / `rope_type` and a top-level `rope_theta`), explicit or derived `head_dim`, per-family
 biases (Qwen2: q/k/v biased, o_proj not), Qwen3's and Gemma-3's q/k norms, and each layer's
 attention type and window (Mistral: every layer slides; Qwen2/3 only with `use_sliding_window`,
-from `max_window_layers` on; Gemma-2 every other layer; Gemma-3 all but every
-`sliding_window_pattern`-th; `layer_types` where the config lists them).
+from `max_window_layers` on; Gemma-2 and gpt-oss every other layer; Gemma-3 all but every
+`sliding_window_pattern`-th; `layer_types` where the config lists them), a mixture of experts'
+routing (`moe_config.py`) and gpt-oss' attention sinks.
 
 Gemma-2/3 also bring their attention scale (`query_pre_attn_scalar`), soft-caps and, for
 Gemma-3, the sliding layers' own rope (`rope_local_base_freq`, or the transformers-5 nested
@@ -64,6 +65,7 @@ class ModelArchConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     moe: MoEConfig | None = None  # a mixture of experts: its routing and which layers are sparse
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -103,8 +105,8 @@ class ModelArchConfig:
             rotary_dim=int(head_dim * partial), max_position_embeddings=max_pos,
             rope_scaling=scaling, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias, o_proj_bias=o_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3_ARCHS), sliding_window=window,
-            layer_types=layer_types,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA3_ARCHS),
+            sliding_window=window, layer_types=layer_types,
             dtype=_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype"))),
             eos_token_ids=_eos_ids(cfg, generation_config or {}),
             bos_token_id=(generation_config or {}).get("bos_token_id", cfg.get("bos_token_id")),
@@ -117,7 +119,7 @@ class ModelArchConfig:
                                      if is_gemma else None),
             local_rope_theta=None if local is None else local[0],
             local_rope_scaling=None if local is None else local[1],
-            moe=moe_config(arch, cfg))
+            moe=moe_config(arch, cfg), attention_sinks=arch == "GptOssForCausalLM")
 
 
 _GEMMA3_ARCHS = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -138,6 +140,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                             "moe_intermediate_size": 1408,
                             "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
                             "qkv_bias": True},
+    "GptOssForCausalLM": {"num_experts_per_tok": 4, "sliding_window": 128, "head_dim": 64,
+                          "attention_bias": True, "rms_norm_eps": 1e-5},
     "Qwen3MoeForCausalLM": {"num_experts_per_tok": 8,
                             "moe_intermediate_size": 768, "sliding_window": 4096},
     "Qwen2ForCausalLM": {"sliding_window": 4096},
@@ -243,8 +247,9 @@ def _layer_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str,
     `sliding_window` 0 or null means none. Llama never slides; Mistral, Mixtral and Qwen3-MoE
     slide every layer (their HF attention ignores `layer_types`); the Qwen families only with
     `use_sliding_window`: Qwen2/3 from `max_window_layers` on, Qwen2-MoE its even layers below
-    it; Gemma-2 its even layers; Gemma-3 all but every `sliding_window_pattern`-th — each unless
-    `layer_types` says otherwise. Any attention type but full and sliding is refused, naming it.
+    it; Gemma-2 and gpt-oss their even layers; Gemma-3 all but every
+    `sliding_window_pattern`-th — each unless `layer_types` says otherwise. Any attention type
+    but full and sliding is refused, naming it.
     """
     num_layers = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") or None
@@ -273,7 +278,7 @@ def _slides_by_default(arch: str, cfg: dict[str, Any], layer: int) -> bool:
         return layer >= cfg.get("max_window_layers", 28)
     if arch == "Qwen2MoeForCausalLM":
         return layer % 2 == 0 and layer < cfg.get("max_window_layers", 28)
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return layer % 2 == 0
     if arch in _GEMMA3_ARCHS:
         return (layer + 1) % (cfg.get("sliding_window_pattern") or 6) != 0

@@ -1,7 +1,8 @@
 """The Llama family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm over head_dim,
-before rope), and their mixtures of experts, Mixtral, Qwen2-MoE and Qwen3-MoE (a layer's MLP is
-a `SparseMoeBlock` where `arch.moe` says so). Siblings differ only by flags read from
-`ModelArchConfig`.
+before rope), and their mixtures of experts, Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (a
+layer's MLP is a `SparseMoeBlock` where `arch.moe` says so; gpt-oss adds biases everywhere and
+attention sinks, alternates windowed and full layers and scales its rope with YaRN). Siblings
+differ only by flags read from `ModelArchConfig`.
 
 Parameter names are HF's, except the packed projections listed in `packed_modules`:
 q_proj/k_proj/v_proj load into `qkv_proj` and gate_proj/up_proj into `gate_up_proj`. Under
@@ -20,7 +21,12 @@ from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.bind import OpsLayer
 from aserve.layers.embedding import VocabEmbedding
-from aserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from aserve.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from aserve.layers.moe import SparseMoeBlock
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
@@ -31,7 +37,7 @@ from aserve.models.causal_lm import CausalLM, DecoderStack
 class LlamaAttention(nn.Module):
     """q/k/v projections, optional q/k norms over head_dim (`norm_cls`: Gemma brings its own),
     rope, attention (scale head_dim ** -0.5 unless `query_pre_attn_scalar`; the layer's window;
-    the model's soft-cap), o_proj."""
+    the model's soft-cap; gpt-oss' per-head sinks), o_proj."""
 
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
                  sliding_window: int | None = None,
@@ -50,6 +56,15 @@ class LlamaAttention(nn.Module):
         scale = (arch.query_pre_attn_scalar or d) ** -0.5
         self.attn = Attention(num_heads, num_kv_heads, d, scale, sliding_window,
                               arch.attn_logit_softcapping)
+        self.sinks = None  # gpt-oss: [num_heads] float32, this rank's heads
+        if arch.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
+                                      requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size, rank = param.shape[0], self.qkv_proj.tp_rank
+        default_weight_loader(param, loaded.narrow(0, rank * size, size))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -60,6 +75,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.attn.num_heads, d)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.attn.num_kv_heads, d)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)  # [T, q_size], [T, kv_size]
+        if self.sinks is not None:
+            return self.o_proj(self.attn(q, k, v, attn_metadata, sinks=self.sinks))
         return self.o_proj(self.attn(q, k, v, attn_metadata))  # [T, hidden]
 
 
@@ -134,8 +151,8 @@ class LlamaDecoderLayer(OpsLayer):
 
     def _fast_path(self) -> DecoderLayerFn | None:
         kv_cache = self.self_attn.attn.kv_cache
-        if self.ops.decoder_layer is None or kv_cache is None or not isinstance(self.mlp,
-                                                                                  LlamaMLP):
+        if (self.ops.decoder_layer is None or kv_cache is None
+                or not isinstance(self.mlp, LlamaMLP) or self.self_attn.sinks is not None):
             return None
         if self._fast is None or self._fast[0] is not kv_cache:
             self._fast = (kv_cache, self.ops.decoder_layer(self.layer_weights()))
@@ -191,8 +208,9 @@ class LlamaModel(DecoderStack):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and their mixtures of
-    experts: MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM."""
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of
+    experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM."""
 
     model_cls = LlamaModel
-    checkpoint_renames = ((r"\.block_sparse_moe\.", ".mlp."),)  # Mixtral's MoE block
+    # Mixtral's MoE block, gpt-oss' router
+    checkpoint_renames = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.router\.", ".mlp.gate."))

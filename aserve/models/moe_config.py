@@ -1,18 +1,18 @@
-"""`moe_config`: a mixture-of-experts model's routing and expert shapes (`aserve.config.MoEConfig`),
-read from its HF config for `ModelArchConfig`, and like it the only place that reads these raw
-keys.
+"""`moe_config`: a mixture-of-experts model's routing and expert shapes
+(`aserve.config.MoEConfig`), read from its HF config for `ModelArchConfig`, and like it the only
+place that reads these raw keys.
 
-    family        experts key          routing                              sparse layers
-    Mixtral       num_local_experts    softmax, top-k, renormalised         every layer
-    Qwen2-MoE     num_experts          softmax, top-k, [norm_topk_prob];    (i+1) % decoder_sparse_step
-                                       + a sigmoid-gated shared expert      == 0, not mlp_only_layers
-    Qwen3-MoE     num_experts          softmax, top-k, [norm_topk_prob]     as Qwen2-MoE
-    gpt-oss       num_local_experts    top-k of biased logits, softmax;     every layer
-                                       biased experts, clamped SwiGLU
+    family      experts key         routing                            sparse layers
+    Mixtral     num_local_experts   softmax, top-k, renormalised       every layer
+    Qwen2-MoE   num_experts         softmax, top-k, [norm_topk_prob];  (i+1) % decoder_sparse_step
+                                    + a sigmoid-gated shared expert    == 0, not mlp_only_layers
+    Qwen3-MoE   num_experts         softmax, top-k, [norm_topk_prob]   as Qwen2-MoE
+    gpt-oss     num_local_experts   top-k of biased logits, softmax;   every layer
+                                    biased experts, clamped SwiGLU
 
 The expert count may come under any of `num_local_experts`, `num_experts` or
 `n_routed_experts`. What aserve cannot route (DeepSeek's grouped top-k, sigmoid scoring, a
-routed scaling factor, Qwen's shared expert without a size) is refused naming the key.
+routed scaling factor, a top-k method but greedy) is refused naming the key.
 """
 
 from __future__ import annotations
