@@ -266,7 +266,8 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
     saves MoE experts in transformers 5's fused 3-D layout instead of the per-expert one.
     `config_overrides` go to the transformers (text) config (e.g. num_key_value_heads=4,
     tie_word_embeddings=True, head_dim=32, rope_scaling={"rope_type": "llama3", ...});
-    `max_shard_size="100KB"` writes a sharded checkpoint with model.safetensors.index.json. Gemma models are tied by default.
+    `max_shard_size="100KB"` writes a sharded checkpoint with model.safetensors.index.json.
+    Gemma models are tied by default.
     """
     tied = {"tie_word_embeddings": True} if arch.startswith("gemma") else {}
     model = _build(arch, {**TINY_CONFIG, **tied, **config_overrides}, seed)
