@@ -13,10 +13,15 @@ from aserve.distributed.comm import (
     shutdown_distributed,
 )
 from aserve.distributed.state import (
+    expert_range,
+    get_ep_rank,
+    get_ep_size,
+    get_moe_combine,
     get_pp_rank,
     get_pp_size,
     get_tp_rank,
     get_tp_size,
+    set_ep,
     set_pp,
     set_tp,
     stage_layers,
@@ -25,8 +30,9 @@ from aserve.distributed.state import (
 )
 
 __all__ = [
-    "DistributedConfig", "flush_sends", "get_pp_rank", "get_pp_size", "get_tp_rank", "get_tp_size",
+    "DistributedConfig", "expert_range", "flush_sends", "get_ep_rank", "get_ep_size",
+    "get_moe_combine", "get_pp_rank", "get_pp_size", "get_tp_rank", "get_tp_size",
     "init_distributed", "recv_control", "recv_from_stage", "send_control", "send_to_stage",
-    "set_pp", "set_tp", "shutdown_distributed", "stage_layers", "tp_all_gather",
+    "set_ep", "set_pp", "set_tp", "shutdown_distributed", "stage_layers", "tp_all_gather",
     "tp_all_reduce",
 ]

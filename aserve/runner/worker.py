@@ -19,7 +19,14 @@ import torch
 from aserve.backends import Platform, set_platform
 from aserve.config import KVCacheGroupSpec, ModelConfig, ModelInfo
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
-from aserve.distributed import DistributedConfig, get_pp_size, init_distributed, stage_layers
+from aserve.distributed import (
+    DistributedConfig,
+    get_ep_size,
+    get_moe_combine,
+    get_pp_size,
+    init_distributed,
+    stage_layers,
+)
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.input_batch import PreparedInputs
@@ -101,9 +108,12 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int,
                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
-        """Allocate the cache; then, where the platform has graphs, capture decode batches."""
+        """Allocate the cache; then, where the platform has graphs, capture decode batches (not
+        under the MoE all-to-all combine, whose split sizes the host reads every step)."""
         self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
-        if self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1:
+        all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
+        if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
+                and not all_to_all):
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
 
