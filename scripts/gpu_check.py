@@ -27,7 +27,8 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                H=1024, I=2816; tiny under the CPU interpreter): ms per call, the
                                first call (the build), each one's max error against float32
     parity          120 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
-                               KV group, soft-caps) and mistral (W=7) (tests/helpers/): greedy
+                               KV group, soft-caps), mistral (W=7), mixtral and qwen2_moe
+                               (fused MoE) (tests/helpers/): greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
                                token (a mismatch fails); float16 / bfloat16: fraction of tokens
                                equal up to the first divergence, max |logprob diff| of the chosen
@@ -297,11 +298,11 @@ def first_divergence(got: list[int], expected: list[int]) -> int:
 
 def build_tiny_models(ctx: Context, archs: list[str]) -> dict[str, Path]:
     """The tests' tiny random-weight models (`make_hf_model` defaults, as `model_dir_factory`);
-    a name of `SLIDING_CASES` (e.g. gemma2) is that sliding-window / hybrid test model."""
-    from helpers.hf_models import SLIDING_CASES, make_hf_model
+    a name of `SLIDING_CASES` (e.g. gemma2) or `MOE_CASES` (e.g. mixtral) is that test model."""
+    from helpers.hf_models import MOE_CASES, SLIDING_CASES, make_hf_model
 
     def build(name: str) -> Path:
-        arch, overrides = SLIDING_CASES.get(name, (name, {}))
+        arch, overrides = {**SLIDING_CASES, **MOE_CASES}.get(name, (name, {}))
         return make_hf_model(ctx.root / name, arch, **overrides)
 
     return {name: build(name) for name in archs}
@@ -525,8 +526,9 @@ def time_calls(fn, args: list, iters: int, device: str) -> dict:
 PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/models/test_parity.py
 NUM_NEW = 32
 DTYPES = ["float32", "float16", "bfloat16"]
-# gemma2: a hybrid cache (a sliding and a full group), soft-caps; mistral: every layer W=7
-PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral"]
+# gemma2: a hybrid cache (a sliding and a full group), soft-caps; mistral: every layer W=7;
+# mixtral / qwen2_moe: the fused-MoE Triton kernel inside a model (qwen2_moe: a shared expert)
+PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral", "mixtral", "qwen2_moe"]
 
 
 def section_parity(ctx: Context) -> None:
