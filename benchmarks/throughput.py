@@ -34,7 +34,8 @@ def run_aserve(args, prompts: list[list[int]], async_scheduling: bool = True) ->
               enable_prefix_caching=not args.no_prefix_caching,
               async_scheduling=async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size,
-              pipeline_parallel_size=args.pipeline_parallel_size)
+              pipeline_parallel_size=args.pipeline_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel, moe_combine=args.moe_combine)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[: min(4, len(prompts))]],
@@ -56,7 +57,8 @@ def run_aserve(args, prompts: list[list[int]], async_scheduling: bool = True) ->
                      async_scheduling=async_scheduling,
                      startup_s=round(startup, 2), num_steps=num_steps,
                      overhead_ms_per_step=round(1000 * (elapsed - forward) / num_steps, 3),
-                     overhead_fraction=round((elapsed - forward) / elapsed, 4))
+                     overhead_fraction=round((elapsed - forward) / elapsed, 4),
+                     first_output_ids=list(outputs[0].outputs[0].token_ids[:8]))
 
 
 def run_hf(args, prompts: list[list[int]]) -> dict:
@@ -115,6 +117,10 @@ def main() -> int:
     ap.add_argument("--no-async-scheduling", action="store_true")
     ap.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     ap.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="MoE models: whole experts per tensor-parallel rank")
+    ap.add_argument("--moe-combine", default="all-reduce", choices=["all-reduce", "all-to-all"],
+                    help="with --enable-expert-parallel: how the experts' outputs meet")
     ap.add_argument("--compare-sync", action="store_true",
                     help="also run aserve without async scheduling; report async / sync")
     ap.add_argument("--compare-hf", action="store_true")
@@ -133,6 +139,8 @@ def main() -> int:
         "output_len": args.output_len,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+        "moe_combine": args.moe_combine,
         "aserve": run_aserve(args, prompts, not args.no_async_scheduling),
     }
     if args.compare_sync:
