@@ -16,9 +16,10 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
 
     env              20 /  60  nvidia-smi, python, torch/triton/transformers/... versions,
                                torch's CUDA, the GPUs, the platform aserve picks
-    kernel_tests    120 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py and
+    kernel_tests    120 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py,
                                test_sliding_window.py (windows, soft-caps, garbage before
-                               the window), then
+                               the window) and test_attention_sinks.py (gpt-oss sinks vs
+                               transformers, split-KV included), then
                                tests/runner/test_graphs.py tests/core (TRITON_INTERPRET unset
                                off CPU): counts of passed/failed/..., the tail of the output
     fused_moe       120 / 240  pytest tests/kernels/test_fused_moe_triton.py (a CUDA-graph
@@ -411,7 +412,8 @@ def kernel_ops_names() -> dict:
 
 PYTEST_RUNS = {  # name -> (test paths, share of the time left)
     "kernels": (["tests/kernels/test_kernels_triton.py", "tests/kernels/test_kernels_ref.py",
-                 "tests/kernels/test_sliding_window.py"], 0.75),
+                 "tests/kernels/test_sliding_window.py", "tests/kernels/test_attention_sinks.py"],
+                0.75),
     "graphs_and_unit": (["tests/runner/test_graphs.py", "tests/core"], 1.0),
 }
 

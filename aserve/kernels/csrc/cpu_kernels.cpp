@@ -9,6 +9,7 @@
 // A fixed order (each header includes what it needs itself, so any order would compile).
 // clang-format off
 #include "simd.h"
+#include "sinks.h"
 #include "paged_decode.h"
 #include "attention_tiles.h"
 #include "attention_rows.h"
