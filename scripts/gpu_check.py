@@ -28,8 +28,8 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                H=1024, I=2816; tiny under the CPU interpreter): ms per call, the
                                first call (the build), each one's max error against float32
     parity          120 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
-                               KV group, soft-caps), mistral (W=7), mixtral and qwen2_moe
-                               (fused MoE) (tests/helpers/): greedy
+                               KV group, soft-caps), mistral (W=7), mixtral, qwen2_moe and
+                               gpt_oss (fused MoE; sinks) (tests/helpers/): greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
                                token (a mismatch fails); float16 / bfloat16: fraction of tokens
                                equal up to the first divergence, max |logprob diff| of the chosen
@@ -529,8 +529,9 @@ PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/models/test_parity.py
 NUM_NEW = 32
 DTYPES = ["float32", "float16", "bfloat16"]
 # gemma2: a hybrid cache (a sliding and a full group), soft-caps; mistral: every layer W=7;
-# mixtral / qwen2_moe: the fused-MoE Triton kernel inside a model (qwen2_moe: a shared expert)
-PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral", "mixtral", "qwen2_moe"]
+# mixtral / qwen2_moe / gpt_oss: the fused-MoE Triton kernel inside a model (qwen2_moe: a
+# shared expert; gpt_oss: attention sinks, biased clamped experts, YaRN)
+PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral", "mixtral", "qwen2_moe", "gpt_oss"]
 
 
 def section_parity(ctx: Context) -> None:
