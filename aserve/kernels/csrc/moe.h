@@ -10,19 +10,19 @@
 //   down      y = h W2[e]^T + b2[e]                                               [rows, H]
 //   combine   out[t] = bf16(sum of float(y[row]) * w[t, j] over t's local slots)   [T, H]
 //
-// `up` and `down` each split into (expert, panel, 64-row block) tasks that the threads take in
-// turn from a shared counter, so a decode step (a row or two per expert) still keeps every
-// core on its own panels while experts with more rows take more tasks. Each step rounds where
-// `fused_moe_ref`'s torch ops do, and `combine` adds a token's slots in the reference's order
-// (by local expert, then slot; the product first, then the sum, from zero), so the result is
-// bit-equal to the dense loop of gemm_linear, the element-wise activation and index_add_.
+// `up` and `down` each split into (expert, panel, 64-row block) tasks shared out among the
+// threads by cost (rows, plus the panel's streaming), so a decode step (a row or two per
+// expert) still keeps every core on its own panels while experts with more rows count more.
+// Each step rounds where `fused_moe_ref`'s torch ops do, and `combine` adds a token's slots in
+// the reference's order (by local expert, then slot; the product first, then the sum, from
+// zero), so the result is bit-equal to the dense loop of gemm_linear, the element-wise
+// activation and index_add_.
 #pragma once
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -79,12 +79,26 @@ static std::vector<MoeTask> moe_tasks(const MoeRoute& r, int64_t panels) {
   return tasks;
 }
 
-// fn(i) for i in [0, n), each thread taking the next i from a shared counter.
+// fn(task) for every task, the tasks split into one contiguous run per thread of about equal
+// cost: a task's rows, plus kPanelCost for streaming its panel (a decode step's tasks cost the
+// same, so each thread takes as many; a prefill's experts differ in rows). Contiguous runs keep
+// a thread on consecutive panels, as gemm_linear's split does.
+constexpr int64_t kPanelCost = 8;
+
 template <typename F>
-static void for_each_task(int64_t n, const F& fn) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t i = next++; i < n; i = next++) fn(i);
+static void for_each_task(const std::vector<MoeTask>& tasks, const F& fn) {
+  const int64_t n = tasks.size();
+  std::vector<int64_t> before(n + 1, 0);  // the cost of tasks [0, i)
+  for (int64_t i = 0; i < n; ++i) before[i + 1] = before[i] + tasks[i].rows + kPanelCost;
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t th = begin; th < end; ++th) {  // the tasks starting in this thread's share
+      const auto first = std::lower_bound(before.begin(), before.end() - 1,
+                                          before[n] * th / threads);
+      const auto last = std::lower_bound(before.begin(), before.end() - 1,
+                                         before[n] * (th + 1) / threads);
+      for (auto i = first; i < last; ++i) fn(tasks[i - before.begin()]);
+    }
   });
 }
 
@@ -178,8 +192,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
   const std::vector<MoeTask> up = moe_tasks(r, panels13);
   TileEpilogue gated;
   gated.d = I, gated.swiglu = SwigluOaiMul(alpha, limit);
-  for_each_task(up.size(), [&](int64_t i) {
-    const MoeTask& t = up[i];
+  for_each_task(up, [&](const MoeTask& t) {
     TileEpilogue ep = gated;
     ep.bias = b13 == nullptr ? nullptr : b13 + t.e * 2 * I + t.p * kHalf;
     panel_rows(kTiles[epilogue], xsp + t.m0 * H, t.rows, H, w13p + (t.e * panels13 + t.p) * panel13,
@@ -191,8 +204,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
   const bf16* b2 = w2_bias.has_value() ? w2_bias->data_ptr<bf16>() : nullptr;
   const int64_t panels2 = w2.size(1), panel2 = I / 2 * kPanel * 2;
   const std::vector<MoeTask> down = moe_tasks(r, panels2);
-  for_each_task(down.size(), [&](int64_t i) {
-    const MoeTask& t = down[i];
+  for_each_task(down, [&](const MoeTask& t) {
     TileEpilogue ep;
     ep.bias = b2 == nullptr ? nullptr : b2 + t.e * H + t.p * kPanel;
     panel_rows(kTiles[kPlain], hp + t.m0 * I, t.rows, I, w2p + (t.e * panels2 + t.p) * panel2,
