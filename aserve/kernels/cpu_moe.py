@@ -43,7 +43,10 @@ def _packed_shape(num_experts: int, outputs: int, per_panel: int,
 
 
 class CpuFusedMoE:
-    """One MoE layer's experts in aserve's GEMM layout; `__call__` is a `FusedMoEFn`."""
+    """One MoE layer's experts in aserve's GEMM layout; `__call__` is a `FusedMoEFn`. It keeps
+    packed copies only (`packed`: the layer may drop the loaded weights)."""
+
+    packed = True
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, *, activation: str = "silu",
                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
