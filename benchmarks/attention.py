@@ -79,7 +79,7 @@ def main() -> int:
 
     def step(layers: list[torch.Tensor]) -> None:
         for c in layers:
-            module.attend_rows(q, c[0], c[1], table, tiles, out, d**-0.5, 0, 0.0)
+            module.attend_rows(q, c[0], c[1], table, tiles, out, d**-0.5, 0, 0.0, None)
 
     step(caches)  # warm-up
     kv_mb = sum(context) * hkv * d * 2 * 2 / 1e6  # K and V, bf16

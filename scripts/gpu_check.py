@@ -16,9 +16,10 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
 
     env              20 /  60  nvidia-smi, python, torch/triton/transformers/... versions,
                                torch's CUDA, the GPUs, the platform aserve picks
-    kernel_tests    120 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py and
+    kernel_tests    120 / 240  pytest tests/kernels/test_kernels_{triton,ref}.py,
                                test_sliding_window.py (windows, soft-caps, garbage before
-                               the window), then
+                               the window) and test_attention_sinks.py (gpt-oss sinks vs
+                               transformers, split-KV included), then
                                tests/runner/test_graphs.py tests/core (TRITON_INTERPRET unset
                                off CPU): counts of passed/failed/..., the tail of the output
     fused_moe       120 / 240  pytest tests/kernels/test_fused_moe_triton.py (a CUDA-graph
@@ -27,8 +28,8 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                H=1024, I=2816; tiny under the CPU interpreter): ms per call, the
                                first call (the build), each one's max error against float32
     parity          120 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
-                               KV group, soft-caps), mistral (W=7), mixtral and qwen2_moe
-                               (fused MoE) (tests/helpers/): greedy
+                               KV group, soft-caps), mistral (W=7), mixtral, qwen2_moe and
+                               gpt_oss (fused MoE; sinks) (tests/helpers/): greedy
                                (logprobs=5) vs HF `generate` on the device. float32: token for
                                token (a mismatch fails); float16 / bfloat16: fraction of tokens
                                equal up to the first divergence, max |logprob diff| of the chosen
@@ -411,7 +412,8 @@ def kernel_ops_names() -> dict:
 
 PYTEST_RUNS = {  # name -> (test paths, share of the time left)
     "kernels": (["tests/kernels/test_kernels_triton.py", "tests/kernels/test_kernels_ref.py",
-                 "tests/kernels/test_sliding_window.py"], 0.75),
+                 "tests/kernels/test_sliding_window.py", "tests/kernels/test_attention_sinks.py"],
+                0.75),
     "graphs_and_unit": (["tests/runner/test_graphs.py", "tests/core"], 1.0),
 }
 
@@ -527,8 +529,9 @@ PROMPT_LENS = [3, 7, 16, 17, 31, 40, 55, 64]  # as tests/models/test_parity.py
 NUM_NEW = 32
 DTYPES = ["float32", "float16", "bfloat16"]
 # gemma2: a hybrid cache (a sliding and a full group), soft-caps; mistral: every layer W=7;
-# mixtral / qwen2_moe: the fused-MoE Triton kernel inside a model (qwen2_moe: a shared expert)
-PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral", "mixtral", "qwen2_moe"]
+# mixtral / qwen2_moe / gpt_oss: the fused-MoE Triton kernel inside a model (qwen2_moe: a
+# shared expert; gpt_oss: attention sinks, biased clamped experts, YaRN)
+PARITY_MODELS = ["llama", "qwen3", "gemma2", "mistral", "mixtral", "qwen2_moe", "gpt_oss"]
 
 
 def section_parity(ctx: Context) -> None:

@@ -1,14 +1,17 @@
 """The CPU platform's kernels by dtype (`CpuPlatform.kernel_ops`), from aserve's C++ extension
 (`aserve/kernels/csrc`, built once at start-up) where it applies:
 
-    dtype      attention                   norms, RoPE, gates  linears                   argmax
-    float32    references (bit-equal HF)   references          F.linear                  C++ scan
-    bfloat16   C++ row tiles (AVX-512),    C++                 aserve's AVX512-BF16      C++ scan
-               else C++ decode + SDPA                          GEMM, else oneDNN packed
-    float16    C++ decode rows + SDPA      references          F.linear                  C++ scan
+    dtype     attention                 norms, RoPE,  linears               fused MoE    argmax
+                                        gates
+    float32   references (bit-equal HF) references    F.linear              reference    C++ scan
+    bfloat16  C++ row tiles (AVX-512),  C++           aserve's AVX512-BF16  C++ over     C++ scan
+              else C++ decode + SDPA                  GEMM, else oneDNN     aserve's GEMM
+    float16   C++ decode rows + SDPA    references    F.linear              reference    C++ scan
 
-bfloat16 also has the whole decoder layer as one C++ call (`cpu_block`). Without a C++ compiler
-every op is its reference, and bfloat16 linears still get oneDNN's packed GEMM.
+bfloat16 also has the whole decoder layer as one C++ call (`cpu_block`). Its fused MoE
+(`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else `fused_moe_ref`.
+Without a C++ compiler every op is its reference, and bfloat16 linears still get oneDNN's
+packed GEMM.
 
 Each wrapper here keeps the op's calling convention (`aserve.backends.ops`) for every input: what
 its C++ kernel does not take (a non-contiguous tensor, int32 positions) goes to the reference.
@@ -21,10 +24,11 @@ from collections.abc import Sequence
 import torch
 
 from aserve.backends.cpu_block import CpuDecoderBlock
-from aserve.backends.ops import KernelOps, PackedLinear
-from aserve.kernels import cpu_elementwise, cpu_extension
+from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps, PackedLinear, fused_moe_ref_fn
+from aserve.kernels import cpu_elementwise, cpu_extension, cpu_gemm
 from aserve.kernels.cpu_attention import cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
+from aserve.kernels.cpu_moe import CpuFusedMoE
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rope_ref
@@ -45,7 +49,17 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,
                      silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul,
                      pack_linears=_pack_linears,
-                     decoder_layer=CpuDecoderBlock.of)
+                     decoder_layer=CpuDecoderBlock.of,
+                     fused_moe=fused_moe if cpu_gemm.available() else fused_moe_ref_fn)
+
+
+def fused_moe(w: ExpertWeights) -> FusedMoEFn:
+    """The experts packed for aserve's GEMM (`CpuFusedMoE`), or `fused_moe_ref` over `w`'s
+    tensors where the kernel does not take them (odd H or I, weights not bf16)."""
+    if not CpuFusedMoE.supports(w.w13, w.w2, w.w13_bias, w.w2_bias, w.activation):
+        return fused_moe_ref_fn(w)
+    return CpuFusedMoE(w.w13, w.w2, activation=w.activation, w13_bias=w.w13_bias,
+                       w2_bias=w.w2_bias, expert_map=w.expert_map, alpha=w.alpha, limit=w.limit)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

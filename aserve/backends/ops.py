@@ -11,9 +11,14 @@ Each op has one calling convention whatever implements it:
 
     store_kv(key, value, k_cache, v_cache, slot_mapping)            K/V rows into their slots
     paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, scale,
-                    sliding_window, soft_cap, *, query_start_loc_cpu, seq_lens_cpu, key, value)
-    attention_forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap)
+                    sliding_window, soft_cap, *, query_start_loc_cpu, seq_lens_cpu, key, value,
+                    sinks=None)
+    attention_forward(q, k, v, k_cache, v_cache, metadata, scale, sliding_window, soft_cap, *,
+                      sinks=None)
                     optional: store + attend in one go (None: the two calls above)
+                    sinks: None, or float32 [Hq] (this rank's query heads): gpt-oss's attention
+                    sinks, one logit per head in every row's softmax with no value
+                    (`paged_attention_ref`); None costs nothing
     rms_norm(x, weight, eps, residual)      in place: x <- norm(x); or residual += x,
                                             x <- norm(residual)
     rope(positions, q, k, cos, sin, head_dim, rotary_dim)      neox RoPE on q and k, in place
@@ -85,7 +90,8 @@ class DecoderLayerWeights:
         residual += attn Wo^T (+ b); x = post_norm(residual)
         hidden = (silu(x Wgate^T) * x Wup^T) Wdown^T (+ b)
 
-    `qkv`, `o`, `gate_up`, `down` are what `pack_linears` returned (None: not packed).
+    `qkv`, `o`, `gate_up`, `down` are what `pack_linears` returned (None: not packed). There are
+    no attention sinks here: a layer with sinks must not ask for `decoder_layer`.
     """
 
     input_norm: torch.Tensor

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from aserve.kernels import cpu_extension
-from aserve.kernels.paged_attention import attend_chunks
+from aserve.kernels.paged_attention import attend_chunks, checked_sinks
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
 ROW_TILE = 8  # query rows of one request that share a task (and each K/V row read)
@@ -92,14 +92,15 @@ class RowPlan(NamedTuple):
 def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, metadata,
                           scale: float, sliding_window: int | None = None,
-                          soft_cap: float | None = None) -> torch.Tensor:
+                          soft_cap: float | None = None, *,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Store this step's K/V and attend, for every row of the batch, in two C++ calls.
 
     q [T, Hq, D], key/value [T, Hkv, D] (rows may be strided), caches [NB, BS, Hkv, D];
     `metadata` is the step's `AttentionMetadata`: the row tiles are planned on the first layer's
-    call and kept on it (`metadata.kernel_plan`) for the others. Where the row-tile kernel does
-    not apply (no AVX-512 build, fp16, head_dim % 16) this is `store_kv_ref` +
-    `paged_attention_cpu`.
+    call and kept on it (`metadata.kernel_plan`) for the others. `sinks` [Hq] float32 or None,
+    as in `paged_attention_ref`. Where the row-tile kernel does not apply (no AVX-512 build,
+    fp16, head_dim % 16) this is `store_kv_ref` + `paged_attention_cpu`.
     """
     m = metadata
     module = cpu_extension.load()
@@ -110,7 +111,8 @@ def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return paged_attention_cpu(
             q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_table, scale,
             sliding_window, soft_cap, query_start_loc_cpu=m.query_start_loc_cpu,
-            seq_lens_cpu=m.seq_lens_cpu, key=key, value=value)
+            seq_lens_cpu=m.seq_lens_cpu, key=key, value=value, sinks=sinks)
+    sinks = checked_sinks("cpu_attention_forward", sinks, q)
     plan = RowPlan.of(m)
     starts, lens, block_table = plan.starts, plan.seq_lens, plan.block_table
     module.store_kv(key, value, k_cache, v_cache, plan.slot_mapping)
@@ -121,8 +123,8 @@ def cpu_attention_forward(q: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         out[starts[-1]:] = 0
     if len(plan.tiles):
         module.attend_rows(q, k_cache, v_cache, block_table, plan.tiles, out, scale,
-                           sliding_window or 0, soft_cap or 0.0)
+                           sliding_window or 0, soft_cap or 0.0, sinks)
     if plan.long_reqs:
         attend_chunks(q, k_cache, v_cache, starts, lens, block_table, scale, sliding_window,
-                      soft_cap, out, key, value, reqs=plan.long_reqs)
+                      soft_cap, out, key, value, reqs=plan.long_reqs, sinks=sinks)
     return out

@@ -1,5 +1,5 @@
 """Fused bfloat16 element-wise ops for CPU: residual-add + RMSNorm, RoPE (neox style), SiLU-and-mul,
-GELU(tanh)-and-mul.
+GELU(tanh)-and-mul, gpt-oss' clamped SwiGLU.
 
 At decode batch sizes a layer's element-wise work is a dozen tiny torch ops each, and their
 dispatch costs more than their arithmetic; here each is one C++ loop (`csrc/elementwise.h`).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from aserve.kernels import cpu_extension
+from aserve.kernels.moe import apply_activation
 from aserve.kernels.rms_norm import rms_norm_ref as rms_norm_ref
 from aserve.kernels.rotary import rope_ref as rope_ref
 
@@ -56,6 +57,11 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
 
+def swiglu_oai_and_mul_ref(x: torch.Tensor, alpha: float = 1.702,
+                           limit: float | None = None) -> torch.Tensor:
+    return apply_activation(x, "swiglu_oai", alpha, limit)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[R, V] float32 -> [R] int64, exactly `logits.argmax(-1)` (first maximum; NaN wins)."""
     return _module().argmax_rows(logits.contiguous())
@@ -72,4 +78,13 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2d] = [gate | up] -> gelu_tanh(gate) * up, [T, d]."""
     out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
     _module().gelu_tanh_and_mul(out, x)
+    return out
+
+
+def swiglu_oai_and_mul(x: torch.Tensor, alpha: float = 1.702,
+                       limit: float | None = None) -> torch.Tensor:
+    """[T, 2d] = [gate | up] -> gpt-oss' (up + 1) * gate * sigmoid(alpha * gate), gate clamped
+    above at `limit` and up to [-limit, limit] (`apply_activation`'s "swiglu_oai"), [T, d]."""
+    out = x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    _module().swiglu_oai_and_mul(out, x, alpha, float("inf") if limit is None else limit)
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from itertools import accumulate
 
 import torch
 
@@ -93,14 +94,11 @@ def _advise_huge_pages(address: int, length: int) -> bool:
     return madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
 
 
-def gather_in_huge_pages(weights: list[PackedWeight]) -> torch.Tensor | None:
-    """Move packed weights, in order, into one buffer of transparent huge pages: a decode step
-    streams every weight from memory, and with 4 KB pages it misses the TLB once per page (51 k
-    pages for smol's layers). smol's 64-row decode step GEMMs, LM head included: 43.4-43.9 ->
-    42.0-42.8 ms. Each weight's `data` becomes a view of the buffer, values unchanged; returns
-    the buffer, or None (weights left where they are) if there is less than a huge page or
-    Linux grants none."""
-    sizes = [-(-w.data.numel() * w.data.element_size() // 64) * 64 for w in weights]
+def empty_in_huge_pages(nbytes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """One buffer of transparent huge pages, not touched yet, and a uint8 view of it per size,
+    in order, each 64-byte aligned; None if there is less than a huge page or Linux grants
+    none. The first write to a view brings its pages in huge."""
+    sizes = [-(-n // 64) * 64 for n in nbytes]
     total = sum(sizes)
     if total < HUGE_PAGE:
         return None
@@ -109,11 +107,23 @@ def gather_in_huge_pages(weights: list[PackedWeight]) -> torch.Tensor | None:
     start = -buffer.data_ptr() % HUGE_PAGE  # the first 2 MB boundary in it
     if not _advise_huge_pages(buffer.data_ptr() + start, length):
         return None
-    offset = start
-    for weight, size in zip(weights, sizes, strict=True):
+    offsets = accumulate(sizes[:-1], initial=start)
+    return buffer, [buffer[o:o + n] for o, n in zip(offsets, nbytes, strict=True)]
+
+
+def gather_in_huge_pages(weights: list[PackedWeight]) -> torch.Tensor | None:
+    """Move packed weights, in order, into one buffer of transparent huge pages: a decode step
+    streams every weight from memory, and with 4 KB pages it misses the TLB once per page (51 k
+    pages for smol's layers). smol's 64-row decode step GEMMs, LM head included: 43.4-43.9 ->
+    42.0-42.8 ms. Each weight's `data` becomes a view of the buffer, values unchanged; returns
+    the buffer, or None (weights left where they are) if there is less than a huge page or
+    Linux grants none."""
+    got = empty_in_huge_pages([w.data.numel() * w.data.element_size() for w in weights])
+    if got is None:
+        return None
+    buffer, views = got
+    for weight, view in zip(weights, views, strict=True):
         data = weight.data
-        view = buffer[offset:offset + data.numel() * data.element_size()]
         weight.data = view.view(data.dtype).view(data.shape)
         weight.data.copy_(data)  # the first touch: the pages come in huge
-        offset += size
     return buffer

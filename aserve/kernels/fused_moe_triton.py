@@ -237,7 +237,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden = w13.shape
     inter, num_pairs = two_inter // 2, num_tokens * top_k
-    if num_pairs == 0:
+    if num_pairs == 0 or num_experts == 0:  # no token, or a rank holding no expert
         return torch.zeros_like(x)
     block_m, block_n, block_k = _block_sizes(num_pairs, num_experts, x.dtype == torch.float32)
     pair_ids, block_experts = align_by_expert(local_slots(topk_ids, expert_map).reshape(-1),

@@ -25,7 +25,11 @@ many partitions along a third grid axis; each writes its partial (max, sum, unno
 output) and `_reduce_kernel` combines them. `choose_num_splits` turns it on for decode-only
 batches too small to fill the device over long contexts.
 
-Not here: quantised caches, ALiBi, attention sinks.
+Attention sinks (gpt-oss: one logit per query head in every row's softmax, carrying no value):
+the online softmax starts from the sink (m = sink, l = 1, acc = 0) instead of (-inf, 0, 0);
+with split-KV the partitions leave it out and the reduce counts it once, in its max and sum.
+
+Not here: quantised caches, ALiBi.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import functools
 
 import torch
 
-from aserve.kernels.paged_attention import paged_attention_ref
+from aserve.kernels.paged_attention import checked_sinks, paged_attention_ref
 from aserve.kernels.triton_utils import (
     FLOAT_DTYPES,
     check_float,
@@ -111,14 +115,14 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qsl_ptr, seq_lens_ptr, table_ptr,
-                          part_acc_ptr, part_max_ptr, part_sum_ptr, num_reqs, scale, soft_cap,
-                          window, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                          block_size, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                          stride_vh, G: tl.constexpr, G_PAD: tl.constexpr, BQ: tl.constexpr,
-                          BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                          TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr,
-                          SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          sinks_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_reqs, scale,
+                          soft_cap, window, stride_qt, stride_qh, stride_ot, stride_oh,
+                          stride_table, block_size, stride_kb, stride_ks, stride_kh, stride_vb,
+                          stride_vs, stride_vh, G: tl.constexpr, G_PAD: tl.constexpr,
+                          BQ: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          D_PAD: tl.constexpr, TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                          HAS_CAP: tl.constexpr, SPLIT: tl.constexpr, HAS_SINKS: tl.constexpr,
+                          DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
         tile_id, kv_head = tl.program_id(0), tl.program_id(1)
         req = _find_request(qsl_ptr, num_reqs, tile_id, BQ)
         q_start = tl.load(qsl_ptr + req)
@@ -148,6 +152,9 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)  # finite: a masked tile gives 0, not NaN
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINKS and not SPLIT:  # start from the sink's logit: weight exp(0) = 1, no value
+            m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+            l_i = l_i + 1.0
         pos = context + tok  # [BLOCK_M] query positions
         for t in range(lo, hi):
             acc, m_i, l_i = _attend_tile(
@@ -178,10 +185,11 @@ if triton is not None:
                      + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
     @triton.jit
-    def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qsl_ptr, num_reqs,
-                       num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
-                       D_PAD: tl.constexpr, S_PAD: tl.constexpr):
-        """out[t, h] from the partitions of row t, head h: rescale each to the common max."""
+    def _reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qsl_ptr, sinks_ptr,
+                       num_reqs, num_splits, stride_ot, stride_oh, HEAD_DIM: tl.constexpr,
+                       D_PAD: tl.constexpr, S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr):
+        """out[t, h] from the partitions of row t, head h: rescale each to the common max (with
+        sinks, the sink joins the max and the sum here, once)."""
         row, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         if row >= tl.load(qsl_ptr + num_reqs):
             return  # a padding row: no partials were written
@@ -189,8 +197,15 @@ if triton is not None:
         base = (row * tl.num_programs(1) + head) * num_splits
         ok = splits < num_splits
         m = tl.load(part_max_ptr + base + splits, mask=ok, other=float("-inf"))  # [S_PAD]
-        w = tl.exp2(m - tl.max(m, 0))  # [S_PAD]
-        total = tl.sum(w * tl.load(part_sum_ptr + base + splits, mask=ok, other=0.0), 0)
+        sums = tl.load(part_sum_ptr + base + splits, mask=ok, other=0.0)  # [S_PAD]
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head) * 1.4426950408889634  # log2 domain
+            top = tl.maximum(tl.max(m, 0), sink)
+            w = tl.exp2(m - top)  # [S_PAD]
+            total = tl.sum(w * sums, 0) + tl.exp2(sink - top)
+        else:
+            w = tl.exp2(m - tl.max(m, 0))  # [S_PAD]
+            total = tl.sum(w * sums, 0)
         acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + dims[None, :],
                       mask=ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)  # [S_PAD, D_PAD]
         out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # [D_PAD]
@@ -283,16 +298,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            query_start_loc_cpu: list[int] | None = None,
                            seq_lens_cpu: list[int] | None = None,
                            key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                           sinks: torch.Tensor | None = None,
                            num_splits: int | None = None) -> torch.Tensor:
     """Attention of q [T, Hq, D] over the paged caches [NB, BS, Hkv, D]; returns [T, Hq, D].
 
     The contract of `paged_attention_ref`. The host lists only steer the tiling (never read
     back from the device otherwise); `key` / `value` are ignored: this step's rows are read
-    from the cache, where they already are. `num_splits` forces the split-KV partitions
-    (1: none); None lets `choose_num_splits` decide. Padding rows of `out` are left untouched.
+    from the cache, where they already are. `sinks` [Hq] float32 or None, as in the reference.
+    `num_splits` forces the split-KV partitions (1: none); None lets `choose_num_splits`
+    decide. Padding rows of `out` are left untouched.
     """
     require_triton("paged_attention_triton", _attention_kernel, q, k_cache, v_cache)
     _check_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_table, out)
+    sinks = checked_sinks("paged_attention_triton", sinks, q)
     out = torch.zeros_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
     num_reqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
@@ -312,19 +330,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dot_fp32 = q.dtype == torch.float32 or (
         q.dtype == torch.bfloat16 and is_interpreted(_attention_kernel))
     grid = (num_tokens // bq + num_reqs, num_kv_heads, num_splits)
+    sinks_arg = q if sinks is None else sinks  # a stand-in pointer, never read without sinks
     _attention_kernel[grid](
-        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, *parts, num_reqs,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0), k_cache.shape[1],
+        q, k_cache, v_cache, out, query_start_loc, seq_lens, block_table, sinks_arg, *parts,
+        num_reqs, float(scale), float(soft_cap or 0.0), int(sliding_window or 0), q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1), block_table.stride(0), k_cache.shape[1],
         *k_cache.stride()[:3], *v_cache.stride()[:3], G=group, G_PAD=next_pow2(group), BQ=bq,
         BLOCK_M=block_m, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), TILE_N=tile_n,
         HAS_WINDOW=sliding_window is not None, HAS_CAP=soft_cap is not None,
-        SPLIT=num_splits > 1, DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype],
+        SPLIT=num_splits > 1, HAS_SINKS=sinks is not None,
+        DOT_DTYPE=tl.float32 if dot_fp32 else _TL_DTYPES[q.dtype],
         PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=num_warps)
     if num_splits > 1:
         _reduce_kernel[(num_tokens, num_heads)](
-            out, *parts, query_start_loc, num_reqs, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim), S_PAD=next_pow2(num_splits))
+            out, *parts, query_start_loc, sinks_arg, num_reqs, num_splits, out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
+            S_PAD=next_pow2(num_splits), HAS_SINKS=sinks is not None)
     return out
 
 

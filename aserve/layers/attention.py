@@ -86,7 +86,7 @@ class Attention(OpsLayer):
 
     GQA when num_heads > num_kv_heads. `sliding_window` W: query position p sees key j iff
     p - j < W (HF's mask), its W latest keys; `soft_cap`: scores are squashed to
-    cap * tanh(s / cap).
+    cap * tanh(s / cap). Attention sinks (gpt-oss) come with each call (`forward`'s `sinks`).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -104,7 +104,12 @@ class Attention(OpsLayer):
         self.kv_cache, self.kv_group = kv_cache, kv_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`sinks`: None, or float32 [num_heads] (this rank's query heads): one logit per head
+        that joins every row's softmax and carries no value (gpt-oss; `paged_attention_ref`),
+        handed to whichever op runs. The profiling forward, with no cache bound, ignores them
+        (as it ignores the window and the cap: it only has to touch the memory a step does)."""
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -114,19 +119,21 @@ class Attention(OpsLayer):
             m, ops = attn_metadata.for_group(self.kv_group), self.ops
             if ops.attention_forward is not None:  # store and attend in one kernel call each
                 out = ops.attention_forward(q, k, v, self.kv_cache[0], self.kv_cache[1], m,
-                                            self.scale, self.sliding_window, self.soft_cap)
+                                            self.scale, self.sliding_window, self.soft_cap,
+                                            sinks=sinks)
                 return out.view(-1, self.num_heads * self.head_dim)
             ops.store_kv(k, v, self.kv_cache[0], self.kv_cache[1], m.slot_mapping)
             out = ops.paged_attention(
                 q, self.kv_cache[0], self.kv_cache[1], m.query_start_loc, m.seq_lens,
                 m.block_table, self.scale, self.sliding_window, self.soft_cap,
                 query_start_loc_cpu=m.query_start_loc_cpu, seq_lens_cpu=m.seq_lens_cpu,
-                key=k, value=v)
+                key=k, value=v, sinks=sinks)
         return out.view(-1, self.num_heads * self.head_dim)  # [T, Hq*D]
 
     def _profile_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """No cache: plain causal attention within each request's rows (window/cap ignored)."""
+        """No cache: plain causal attention within each request's rows (window, cap and sinks
+        ignored)."""
         starts = attn_metadata.query_start_loc_cpu or attn_metadata.query_start_loc.tolist()
         out = torch.zeros_like(q)  # [T, Hq, D]
         for start, end in zip(starts[:-1], starts[1:], strict=True):

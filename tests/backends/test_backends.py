@@ -433,8 +433,8 @@ def test_every_cpu_rank_runs_on_the_cpu_device(local_rank):
 def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     from aserve.backends import cpu_ops
     from aserve.backends.cpu_block import CpuDecoderBlock
-    from aserve.backends.ops import REF_OPS
-    from aserve.kernels import cpu_elementwise
+    from aserve.backends.ops import REF_OPS, fused_moe_ref_fn
+    from aserve.kernels import cpu_elementwise, cpu_gemm
     from aserve.kernels.cpu_attention import cpu_attention_forward
     from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
@@ -457,7 +457,9 @@ def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     assert fp16.attention_forward is cpu_attention_forward
     assert fp16.rms_norm is REF_OPS.rms_norm and fp16.pack_linears is None
     assert fp16.gelu_tanh_and_mul is REF_OPS.gelu_tanh_and_mul
-    assert fp32.fused_moe is fp16.fused_moe is REF_OPS.fused_moe  # fused_moe_ref
+    # fused MoE: aserve's GEMM for bf16 where it is built, the reference for the others
+    assert fp32.fused_moe is fused_moe_ref_fn and fp16.fused_moe is fused_moe_ref_fn
+    assert bf16.fused_moe is (cpu_ops.fused_moe if cpu_gemm.available() else fused_moe_ref_fn)
     assert platform.kernel_ops(torch.bfloat16) is bf16  # chosen once per dtype
 
 
@@ -539,6 +541,31 @@ def test_cpu_wrappers_send_what_their_kernel_does_not_take_to_the_reference(
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     gate_up = torch.randn(5, 2, 2 * 64, generator=gen).bfloat16().transpose(0, 1)
     assert torch.equal(cpu_ops.gelu_tanh_and_mul(gate_up), gelu_tanh_and_mul_ref(gate_up))
+
+
+def test_cpu_fused_moe_packs_the_experts_its_kernel_takes_and_leaves_the_rest_to_the_reference(
+        cpu_gemm_kernel):
+    from aserve.backends import cpu_ops
+    from aserve.backends.ops import ExpertWeights
+    from aserve.kernels.cpu_moe import CpuFusedMoE
+    from aserve.kernels.moe import fused_moe_ref
+
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (0.1 * torch.randn(*shape, generator=gen)).bfloat16()
+
+    x, weights = randn(5, 64), torch.rand(5, 2, generator=gen)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]])
+    taken = ExpertWeights(randn(4, 96, 64), randn(4, 64, 48), activation="gelu_tanh")
+    assert isinstance(cpu_ops.fused_moe(taken), CpuFusedMoE)
+    odd_i = ExpertWeights(randn(4, 90, 64), randn(4, 64, 45))  # the down GEMM's K is odd
+    fp32 = ExpertWeights(randn(4, 96, 64).float(), randn(4, 64, 48).float())
+    for w in (odd_i, fp32):
+        fn = cpu_ops.fused_moe(w)
+        assert not isinstance(fn, CpuFusedMoE)
+        xw = x.to(w.w13.dtype)
+        assert torch.equal(fn(xw, weights, ids), fused_moe_ref(xw, w.w13, w.w2, weights, ids))
 
 
 def test_gated_activation_layers_run_their_bound_ops():

@@ -203,6 +203,16 @@ MOE_CASES = {
     "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=7, num_experts_per_tok=3,
                                     moe_intermediate_size=48, norm_topk_prob=True,
                                     decoder_sparse_step=2)),
+    # 6 experts top-3 of biased logits; layers: sliding (W=8), full, sliding; attention sinks;
+    # biased experts with a clamp that bites (limit 1.5); YaRN rope (factor 4 over 128)
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=3, num_local_experts=6, num_experts_per_tok=3,
+                                intermediate_size=48, sliding_window=8, swiglu_limit=1.5,
+                                layer_types=["sliding_attention", "full_attention",
+                                             "sliding_attention"],
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                 "beta_fast": 32.0, "beta_slow": 1.0,
+                                                 "truncate": False, "rope_theta": 150000.0,
+                                                 "original_max_position_embeddings": 128})),
 }
 
 
@@ -212,8 +222,8 @@ def _randomise_biases_and_norms(model, gemma: bool = False) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
-                param.normal_(0.0, INIT_STD)
+            if name.endswith((".bias", "_bias", ".sinks")):  # gpt-oss: expert biases, sinks
+                param.normal_(0.0, 1.0 if name.endswith(".sinks") else INIT_STD)
             elif "norm" in name:
                 param.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(param))
         if gemma:

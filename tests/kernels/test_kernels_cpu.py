@@ -118,6 +118,30 @@ def test_fused_silu_and_mul_is_bit_equal():
     assert torch.equal(cpu_elementwise.silu_and_mul(x), cpu_elementwise.silu_and_mul_ref(x))
 
 
+
+@pytest.mark.parametrize("limit", [None, 7.0, 1.5])
+def test_fused_swiglu_oai_and_mul_is_bit_equal_but_where_a_subnormal_flushes(limit):
+    """Over every bf16 gate value: torch's bf16 ops to the bit, but where the sigmoid (gate <
+    -51), gate * sigmoid (about gate / 2) or the result is a float subnormal, which the
+    AVX512-BF16 rounding flushes to zero."""
+    from aserve.kernels import cpu_elementwise
+
+    if not cpu_elementwise.load():
+        pytest.skip("no C++ toolchain")
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = gate.reshape(256, 256)
+    up = (3 * torch.randn(gate.shape, generator=torch.Generator().manual_seed(0))).bfloat16()
+    x = torch.cat([gate, up], dim=-1)
+    got = cpu_elementwise.swiglu_oai_and_mul(x, limit=limit)
+    want = cpu_elementwise.swiglu_oai_and_mul_ref(x, limit=limit)
+    off = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
+    tiny = torch.finfo(torch.float32).tiny
+    subnormal = ((torch.sigmoid(1.702 * gate.float()) < tiny) | (gate.float().abs() < 4 * tiny)
+                 | (want.float().abs() < tiny))
+    flushed = (got == 0) & subnormal
+    assert not (off & ~flushed).any(), gate[off & ~flushed][:8]
+    assert off.sum() < 1024
+
 def _forward_case(reqs, num_heads, num_kv_heads, head_dim, block_size, window=None,
                   soft_cap=None, seed=0, q_row_pad=0):
     """cpu_attention_forward on a batch whose new rows' K/V are NOT yet in the cache (zeroed

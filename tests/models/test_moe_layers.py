@@ -277,3 +277,22 @@ def test_the_expert_count_comes_from_whichever_key_the_config_uses(moe_dir_facto
     for key in ("num_local_experts", "num_experts", "n_routed_experts"):
         assert ModelArchConfig.from_hf({**cfg, key: count}).moe.num_experts == count
     assert ModelArchConfig.from_hf(cfg).moe.num_experts == 128  # none: transformers' default
+
+
+@pytest.mark.parametrize("platform", ["ref", "triton", "cpu-bf16"])
+def test_a_rank_holding_no_expert_adds_nothing(platform):
+    """3 experts over 4 expert-parallel ranks: the last holds none."""
+    from aserve.backends.cpu_ops import cpu_kernel_ops
+    from aserve.backends.ops import REF_OPS, ExpertWeights
+    from aserve.backends.triton_ops import triton_kernel_ops
+
+    dtype = torch.bfloat16 if platform == "cpu-bf16" else torch.float32
+    ops = {"ref": lambda: REF_OPS, "triton": lambda: triton_kernel_ops(dtype),
+           "cpu-bf16": lambda: cpu_kernel_ops(dtype)}[platform]()
+    weights = ExpertWeights(w13=torch.empty(0, 32, 16, dtype=dtype),
+                            w2=torch.empty(0, 16, 16, dtype=dtype),
+                            expert_map=torch.full((3,), -1, dtype=torch.int32))
+    x = torch.randn(5, 16, dtype=dtype)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1], [0, 1]])
+    out = ops.fused_moe(weights)(x, torch.rand(5, 2), ids)
+    assert out.shape == x.shape and not out.any()

@@ -14,7 +14,8 @@
 //   a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
 //
 // With a sliding window W a task reads keys from its first row's first, len0 - W, on (each row
-// then masks its own): no block before it is read, as a hybrid cache may have freed it.
+// then masks its own): no block before it is read, as a hybrid cache may have freed it. With
+// attention sinks (sinks.h) each query head's sink joins its rows' softmax.
 //
 // The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
 // weighted sum of values with its sums in registers) is the register tiles of attention_tiles.h.
@@ -35,6 +36,7 @@
 
 #include "attention_tiles.h"
 #include "simd.h"
+#include "sinks.h"
 
 #ifdef ASERVE_AVX512
 // bf16 attention over the paged cache for tiles of query rows, head_dim a multiple of 16 (at
@@ -49,7 +51,7 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
                               int64_t hq, int64_t hkv, int64_t d, int64_t bs,
                               int64_t table_stride, int64_t q_stride, float scale,
-                              int64_t window, float soft_cap) {
+                              int64_t window, float soft_cap, const float* sinks) {
   const int64_t group = hq / hkv, words = (d + 31) / 32;
   __mmask32 masks[8];
   for (int64_t w = 0; w < words; ++w) masks[w] = word_mask(d - 32 * w);
@@ -129,7 +131,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                     n);
 #endif
       inv.resize(nq);
-      softmax_rows(scores.data(), n, nq, lo.data(), hi.data(), inv.data());
+      softmax_rows(scores.data(), n, nq, lo.data(), hi.data(),
+                   sinks ? sinks + h * group : nullptr, group, inv.data());
       for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
         const int64_t nt = std::min(kQueryTile, nq - j0), wp = pass_words(nt);
         // keys past the last query's range carry probability 0 for all: skip them
@@ -155,22 +158,24 @@ bool rows_supported(torch::Tensor q) {
 
 // Attention for every row of the tiles (see attend_tiles_bf16): q [T, Hq, D] (rows may be
 // strided: a split of the qkv projection's output), caches [NB, BS, Hkv, D], block_table [R, M]
-// int32, tiles [N, 4] int64, out [T, Hq, D].
+// int32, tiles [N, 4] int64, out [T, Hq, D], sinks float32 [Hq] or None.
 void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor block_table, torch::Tensor tiles, torch::Tensor out, double scale,
-                 int64_t window, double soft_cap) {
+                 int64_t window, double soft_cap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(rows_supported(q), "attend_rows: bf16 q [T, Hq, D] with D % 16 == 0 (D <= 256)");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() &&
               v_cache.is_contiguous() && out.is_contiguous() && block_table.is_contiguous() &&
               tiles.is_contiguous(), "contiguous tensors needed (q: contiguous heads)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && tiles.scalar_type() == at::kLong,
               "int32 block_table and int64 tiles needed");
+  const float* sink_logits = sinks_data(sinks, q.size(1));
 #ifdef ASERVE_AVX512
   attend_tiles_bf16(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
                     v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
                     tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
                     q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
-                    q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap));
+                    q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap),
+                    sink_logits);
 #endif
 }
 

@@ -5,7 +5,8 @@
 //                           (32 bf16 of head_dim) into a `vdpbf16ps` chain per query, then a
 //                           transpose-reduce (`sum16`); fetches the K and V rows kAhead keys on
 //   qk_scores_f32           the same without AVX512-BF16 (float32 queries, FMAs)
-//   softmax_rows            float32 softmax of each query over its own keys
+//   softmax_rows            float32 softmax of each query over its own keys (and its head's
+//                           attention sink, where there are sinks)
 //   weighted_values<Q, WP>  sum_t p[q, t] v_t for WP words of head_dim, all sums in registers (a
 //                           bf16 word splits into even and odd dims with a shift and a mask)
 //
@@ -194,9 +195,11 @@ static void qk_scores_f32(const at::BFloat16* kc, const at::BFloat16* vc, const 
 #endif
 
 // In place: row j of scores [nq, n] becomes the softmax of its keys [lo[j], hi[j]) (float32),
-// unnormalized, with probability 0 elsewhere; inv[j] = 1 / its sum.
+// unnormalized, with probability 0 elsewhere; inv[j] = 1 / its sum. With `sinks` (the task's
+// G = `group` heads' sink logits; row j is head j % group) the row's sink joins its max and its
+// sum but gets no column.
 static void softmax_rows(float* scores, int64_t n, int64_t nq, const int64_t* lo,
-                         const int64_t* hi, float* inv) {
+                         const int64_t* hi, const float* sinks, int64_t group, float* inv) {
   for (int64_t j = 0; j < nq; ++j) {
     float* sj = scores + j * n;
     const int64_t a = lo[j], e = hi[j];
@@ -205,7 +208,9 @@ static void softmax_rows(float* scores, int64_t n, int64_t nq, const int64_t* lo
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t t = a; t < e; t += 16)
       mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), sj + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    float top = _mm512_reduce_max_ps(mx);
+    if (sinks) top = std::max(top, sinks[j % group]);
+    const __m512 m = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = a; t < e; t += 16) {
       const __mmask16 tm = tail_mask(e - t);
@@ -214,7 +219,9 @@ static void softmax_rows(float* scores, int64_t n, int64_t nq, const int64_t* lo
       _mm512_mask_storeu_ps(sj + t, tm, ex);
       sum = _mm512_add_ps(sum, ex);
     }
-    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+    float total = _mm512_reduce_add_ps(sum);
+    if (sinks) total += std::exp(sinks[j % group] - top);
+    inv[j] = 1.f / total;
   }
 }
 #endif  // ASERVE_AVX512

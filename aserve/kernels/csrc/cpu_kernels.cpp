@@ -9,12 +9,15 @@
 // A fixed order (each header includes what it needs itself, so any order would compile).
 // clang-format off
 #include "simd.h"
+#include "sinks.h"
+#include "activation.h"
 #include "paged_decode.h"
 #include "attention_tiles.h"
 #include "attention_rows.h"
 #include "elementwise.h"
 #include "gemm.h"
 #include "decoder_layer.h"
+#include "moe.h"
 // clang-format on
 
 #define ASERVE_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
@@ -28,9 +31,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(rope);
   ASERVE_DEF(silu_and_mul);
   ASERVE_DEF(gelu_tanh_and_mul);
+  ASERVE_DEF(swiglu_oai_and_mul);
   ASERVE_DEF(argmax_rows);
   ASERVE_DEF(gemm_supported);
   ASERVE_DEF(gemm_pack);
   ASERVE_DEF(gemm_linear);
   ASERVE_DEF(decoder_layer);
+  ASERVE_DEF(fused_moe);
 }

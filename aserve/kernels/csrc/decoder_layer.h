@@ -56,7 +56,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
   if (n[kRows] < T) attn.narrow(0, n[kRows], T - n[kRows]).zero_();  // padding rows
   if (plan[1].size(0) > 0)
     attend_rows(qkv.narrow(1, 0, hq * d).view({T, hq, d}), w[kKCache], w[kVCache], plan[0],
-                plan[1], attn, scale, n[kWindow], soft_cap);
+                plan[1], attn, scale, n[kWindow], soft_cap, c10::nullopt);  // no sinks here
   torch::Tensor o = gemm_linear(attn.view({T, hq * d}), w[kO], n[kOOut], bias_of(w[kOBias]),
                                 kPlain);
   rms_norm(o, residual, w[kPostNorm], eps);

@@ -4,6 +4,7 @@
 //   rope           neox-style RoPE, in place
 //   silu_and_mul   silu(gate) * up
 //   gelu_tanh_and_mul   gelu_tanh(gate) * up
+//   swiglu_oai_and_mul  gpt-oss' clamped (up + 1) * gate * sigmoid(alpha gate)
 //   argmax_rows    torch.argmax of each float32 row
 //
 // Each is one loop where torch would dispatch a dozen tiny ops. Every op rounds to bfloat16 where
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "activation.h"
 #include "simd.h"
 
 using bf16 = at::BFloat16;
@@ -105,11 +107,10 @@ void rope(torch::Tensor positions, torch::Tensor x, torch::Tensor cos, torch::Te
   });
 }
 
-// out[t, i] = bf16(bf16(act(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous:
-// `vec_act` maps 16 float gates to their activation (AVX-512), `act` one gate (the scalar
-// build); the activation is rounded to bf16 before the product, as torch's two bf16 ops do.
-template <typename VecAct, typename Act>
-void gated_rows(torch::Tensor out, torch::Tensor x, VecAct vec_act, Act act) {
+// out[t, i] = bf16(act(gate[t, i], up[t, i])) for x = [gate | up], rows contiguous: `act` one
+// of activation.h's gated activations (16 lanes at a time with AVX-512, else one by one).
+template <typename Act>
+void gated_rows(torch::Tensor out, torch::Tensor x, Act act) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
@@ -119,65 +120,26 @@ void gated_rows(torch::Tensor out, torch::Tensor x, VecAct vec_act, Act act) {
 #ifdef ASERVE_AVX512
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = tail_mask(d - i);
-        const __m512 a = round_bf16(vec_act(load_bf16(g + i, m)));
-        store_bf16(op + r * d + i, _mm512_mul_ps(a, load_bf16(g + d + i, m)), m);
+        store_bf16(op + r * d + i, act(load_bf16(g + i, m), load_bf16(g + d + i, m)), m);
       }
 #else
-      (void)vec_act;
-      for (int64_t i = 0; i < d; ++i) op[r * d + i] = bf16(f(bf16(act(f(g[i])))) * f(g[d + i]));
+      for (int64_t i = 0; i < d; ++i) op[r * d + i] = bf16(act(f(g[i]), f(g[d + i])));
 #endif
     }
   });
 }
 
-// silu(a) = a / (1 + e^-a)
-void silu_and_mul(torch::Tensor out, torch::Tensor x) {
-  gated_rows(
-      out, x,
-      [](auto a) {
-#ifdef ASERVE_AVX512
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        return _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-#else
-        return a;
-#endif
-      },
-      [](float a) { return a / (1.f + std::exp(-a)); });
+void silu_and_mul(torch::Tensor out, torch::Tensor x) { gated_rows(out, x, SiluMul{}); }
+
+// Bit-equal to torch's CPU bf16 F.gelu(gate, approximate="tanh") * up but where activation.h
+// says (subnormal results; row tails, where torch's tanh is glibc's).
+void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
+  gated_rows(out, x, GeluTanhMul{});
 }
 
-// out[t, i] = bf16(bf16(gelu_tanh(gate[t, i])) * up[t, i]) for x = [gate | up], rows contiguous,
-// as torch's CPU bf16 F.gelu(approximate="tanh") computes it: in float32 of the bf16 gate,
-//   0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-// in the same order of operations, rounded once to bf16. torch's tanh is Sleef's tanhf (1 ulp,
-// and exactly +-1 beyond |x| > 8.664339742, which this copies); tanh16's error is absolute
-// (~1e-7), which after the rounding to bf16 leaves no difference over all 65,536 gate values
-// but one: a float result below FLT_MIN is a zero here (vcvtneps2bf16 flushes subnormals).
-// torch's row tails (its scalar loop) use glibc's tanh instead, one float ulp off at times.
-void gelu_tanh_and_mul(torch::Tensor out, torch::Tensor x) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2 / pi)
-  constexpr float kSaturate = 8.664339742f;                          // Sleef: tanh = +-1 beyond
-  gated_rows(
-      out, x,
-      [](auto a) {
-#ifdef ASERVE_AVX512
-        const __m512 one = _mm512_set1_ps(1.f);
-        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(a, a), a);
-        const __m512 inner = _mm512_mul_ps(
-            _mm512_set1_ps(kBeta), _mm512_add_ps(a, _mm512_mul_ps(_mm512_set1_ps(kKappa), cube)));
-        const __mmask16 flat =
-            _mm512_cmp_ps_mask(_mm512_abs_ps(inner), _mm512_set1_ps(kSaturate), _CMP_GT_OQ);
-        const __m512 t = _mm512_mask_mov_ps(
-            tanh16(inner), flat, _mm512_or_ps(_mm512_and_ps(inner, _mm512_set1_ps(-0.f)), one));
-        return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), a), _mm512_add_ps(one, t));
-#else
-        return a;
-#endif
-      },
-      [](float a) {
-        const float inner = kBeta * (a + kKappa * (a * a * a));
-        const float t = std::abs(inner) > kSaturate ? std::copysign(1.f, inner) : std::tanh(inner);
-        return 0.5f * a * (1.f + t);
-      });
+// gpt-oss' clamped SwiGLU (`limit` infinite: no clamp).
+void swiglu_oai_and_mul(torch::Tensor out, torch::Tensor x, double alpha, double limit) {
+  gated_rows(out, x, SwigluOaiMul(alpha, limit));
 }
 
 // out[r] = the first index of row r's maximum, as torch.argmax (a NaN counts as the maximum:

@@ -13,7 +13,8 @@
 //
 // A gated weight (an MLP's [gate; up]) is packed with 24 gate rows and the same 24 up rows in
 // each panel (panel_lane), so a tile holds both halves of 24 outputs and its epilogue applies
-// silu(gate) * up: the activation costs no pass over memory of its own, bit-equal to the GEMM then
+// silu(gate) * up (or, for the fused MoE, activation.h's other gated activations, after a
+// bias): the activation costs no pass over memory of its own, bit-equal to the GEMM then
 // silu_and_mul.
 #pragma once
 
@@ -22,7 +23,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
+#include "activation.h"
 #include "simd.h"
 
 #if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
@@ -75,18 +78,31 @@ torch::Tensor gemm_pack(torch::Tensor w, bool gated) {
   return out;
 }
 
-enum Epilogue { kPlain, kGatedSplit, kGatedSilu, kPlainFloat };
+// kGatedGelu and kGatedSwiglu: the fused MoE's (moe.h), not gemm_linear's.
+enum Epilogue { kPlain, kGatedSplit, kGatedSilu, kPlainFloat, kGatedGelu, kGatedSwiglu,
+                kEpilogues };
+
+// What a tile's epilogue adds besides the sums: a gated weight's d (up's offset in a gated bias
+// and in kGatedSplit's output), this panel's bias (plain: its 48 outputs; gated: gate's 24, up's
+// d further on; nullptr: none) and kGatedSwiglu's activation.
+struct TileEpilogue {
+  int64_t d = 0;
+  const at::BFloat16* bias = nullptr;
+  SwigluOaiMul swiglu{1.702, std::numeric_limits<double>::infinity()};
+};
 
 #ifdef ASERVE_GEMM
 
 // The R x 48 float sums of a tile into `out`. kPlain: columns [0, cols) (+ bias) as bf16;
 // kPlainFloat: the same bf16 values as float32 (whole lines by streaming stores). A gated
-// panel's 24 gate and 24 up sums of outputs [0, cols): kGatedSplit stores both as bf16 (up at
-// column d), kGatedSilu stores bf16(bf16(silu(g)) * u) with g, u rounded to bf16 first: the
-// arithmetic of storing gate_up and applying `silu_and_mul`, bit for bit.
+// panel's 24 gate and 24 up sums of outputs [0, cols), each (+ its bias) rounded to bf16:
+// kGatedSplit stores both (up at column d); kGatedSilu / kGatedGelu / kGatedSwiglu store
+// bf16(act(g, u)) (activation.h): the arithmetic of storing gate_up and applying the
+// element-wise op, bit for bit.
 template <int R, int E>
-static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
-                              int64_t cols, int64_t d, const at::BFloat16* bias) {
+static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc, int64_t cols,
+                              const TileEpilogue& ep) {
+  const at::BFloat16* bias = ep.bias;
   if (E == kPlain || E == kPlainFloat) {
     for (int v = 0; v < kVecs && 16 * v < cols; ++v) {
       const __mmask16 m = tail_mask(cols - 16 * v);
@@ -106,22 +122,29 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
     }
     return;
   }
+  const int64_t d = ep.d;
   at::BFloat16* c = static_cast<at::BFloat16*>(out);
-  for (int r = 0; r < R; ++r) {
-    at::BFloat16* row = c + r * ldc;
-    // outputs 0..15: vectors 0 and 1; 16..23: the halves of vector 2 (up's swapped down)
-    const __m512 gate[2] = {acc[r][0], acc[r][2]};
-    const __m512 up[2] = {acc[r][1], _mm512_shuffle_f32x4(acc[r][2], acc[r][2], 0x4E)};
-    for (int i = 0; i < 2 && 16 * i < cols; ++i) {
-      const __mmask16 m = tail_mask(std::min<int64_t>(cols - 16 * i, 16 - 8 * i));
-      const __m512 g = round_bf16(gate[i]), u = round_bf16(up[i]);
+  for (int i = 0; i < 2 && 16 * i < cols; ++i) {
+    const __mmask16 m = tail_mask(std::min<int64_t>(cols - 16 * i, 16 - 8 * i));
+    __m512 gate_bias = _mm512_setzero_ps(), up_bias = _mm512_setzero_ps();
+    if (bias != nullptr)
+      gate_bias = load_bf16(bias + 16 * i, m), up_bias = load_bf16(bias + d + 16 * i, m);
+    for (int r = 0; r < R; ++r) {
+      at::BFloat16* row = c + r * ldc;
+      // outputs 0..15: vectors 0 and 1; 16..23: the halves of vector 2 (up's swapped down)
+      __m512 g = i == 0 ? acc[r][0] : acc[r][2];
+      __m512 u = i == 0 ? acc[r][1] : _mm512_shuffle_f32x4(acc[r][2], acc[r][2], 0x4E);
+      if (bias != nullptr) g = _mm512_add_ps(g, gate_bias), u = _mm512_add_ps(u, up_bias);
+      g = round_bf16(g), u = round_bf16(u);
       if (E == kGatedSplit) {
         store_bf16(row + 16 * i, g, m);
         store_bf16(row + d + 16 * i, u, m);
+      } else if (E == kGatedSilu) {
+        store_bf16(row + 16 * i, SiluMul{}(g, u), m);
+      } else if (E == kGatedGelu) {
+        store_bf16(row + 16 * i, GeluTanhMul{}(g, u), m);
       } else {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        store_bf16(row + 16 * i, _mm512_mul_ps(act, u), m);
+        store_bf16(row + 16 * i, ep.swiglu(g, u), m);
       }
     }
   }
@@ -130,8 +153,7 @@ static inline void store_tile(__m512 (&acc)[R][kVecs], void* out, int64_t ldc,
 // c[0:R, 0:cols] = a[0:R, :] @ panel, stored by epilogue E; R <= 8 rows of a (stride lda).
 template <int R, int E>
 static void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, int64_t K2,
-                 void* c, int64_t ldc, int64_t cols, int64_t d,
-                 const at::BFloat16* bias) {
+                 void* c, int64_t ldc, int64_t cols, const TileEpilogue& ep) {
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -147,17 +169,27 @@ static void tile(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel, 
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)x, (__m512bh)b[v]);
     }
   }
-  store_tile<R, E>(acc, c, ldc, cols, d, bias);
+  store_tile<R, E>(acc, c, ldc, cols, ep);
 }
 
 using Tile = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, void*, int64_t,
-                      int64_t, int64_t, const at::BFloat16*);
+                      int64_t, const TileEpilogue&);
 #define ASERVE_TILES(E)                                                              \
   {nullptr, tile<1, E>, tile<2, E>, tile<3, E>, tile<4, E>, tile<5, E>, tile<6, E>,   \
    tile<7, E>, tile<8, E>}
-static const Tile kTiles[4][kRows + 1] = {ASERVE_TILES(kPlain), ASERVE_TILES(kGatedSplit),
-                                          ASERVE_TILES(kGatedSilu), ASERVE_TILES(kPlainFloat)};
+static const Tile kTiles[kEpilogues][kRows + 1] = {
+    ASERVE_TILES(kPlain),      ASERVE_TILES(kGatedSplit), ASERVE_TILES(kGatedSilu),
+    ASERVE_TILES(kPlainFloat), ASERVE_TILES(kGatedGelu),  ASERVE_TILES(kGatedSwiglu)};
 #undef ASERVE_TILES
+
+// c[0:M, 0:cols] = a[0:M, :] (stride K) @ one panel (K / 2 k-pairs), 8 rows per tile, stored by
+// `tiles` (one epilogue's row of kTiles) into c (row stride ldc, `item` bytes per element).
+static inline void panel_rows(const Tile* tiles, const at::BFloat16* a, int64_t M, int64_t K,
+                              const at::BFloat16* panel, char* c, int64_t ldc, int64_t item,
+                              int64_t cols, const TileEpilogue& ep) {
+  for (int64_t m = 0; m < M; m += kRows)
+    tiles[std::min(kRows, M - m)](a + m * K, K, panel, K / 2, c + m * ldc * item, ldc, cols, ep);
+}
 #endif
 
 // y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
@@ -192,15 +224,14 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const Tile* tiles = kTiles[epilogue];
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+    TileEpilogue ep;
+    ep.d = d;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
       const int64_t cols = std::min(width, (gated ? d : N) - p * width);
-      const at::BFloat16* panel = w + p * K2 * kPanel * 2;
-      for (int64_t m = m0; m < std::min(M, m0 + kRowBlock); m += kRows) {
-        const int64_t rows = std::min(kRows, M - m);
-        tiles[rows](a + m * K, K, panel, K2, c + (m * ldc + p * width) * item, ldc, cols, d,
-                    b == nullptr ? nullptr : b + p * kPanel);
-      }
+      ep.bias = b == nullptr ? nullptr : b + p * kPanel;
+      panel_rows(tiles, a + m0 * K, std::min(kRowBlock, M - m0), K, w + p * K2 * kPanel * 2,
+                 c + (m0 * ldc + p * width) * item, ldc, item, cols, ep);
     }
     _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
   });

@@ -9,7 +9,8 @@
 //   keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
 //
 // With a sliding window W only the last W keys are read (from block (seq_len - W) / bs on): the
-// blocks before may be freed by a hybrid cache (the null block, or another request's).
+// blocks before may be freed by a hybrid cache (the null block, or another request's). With
+// attention sinks (sinks.h) each head's sink joins its softmax's max and sum.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -19,6 +20,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "sinks.h"
 
 // Dot product with 16 independent partial sums, so that the compiler can vectorize it without
 // reassociating one serial float sum (which -O3 alone must not do).
@@ -38,7 +41,7 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int32_t* tab
                         const int32_t* seq_lens, const int64_t* reqs, const int64_t* rows,
                         T* out, int64_t num_rows, int64_t hq, int64_t hkv, int64_t d,
                         int64_t bs, int64_t table_stride, float scale, int64_t window,
-                        float soft_cap) {
+                        float soft_cap, const float* sinks) {
   const int64_t group = hq / hkv;
   at::parallel_for(0, num_rows * hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * d), acc(group * d), scores;
@@ -66,8 +69,13 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int32_t* tab
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = &scores[g * n];
-        const float mx = *std::max_element(sg, sg + n);
+        float mx = *std::max_element(sg, sg + n);
         float sum = 0.f;
+        if (sinks) {  // the sink's logit: in the max and the sum, with no value
+          const float sink = sinks[h * group + g];
+          mx = std::max(mx, sink);
+          sum = std::exp(sink - mx);
+        }
         for (int64_t t = 0; t < n; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
@@ -94,10 +102,11 @@ static void decode_rows(const T* q, const T* kc, const T* vc, const int32_t* tab
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor reqs,
                   torch::Tensor rows, torch::Tensor out, double scale, int64_t window,
-                  double soft_cap) {
+                  double soft_cap, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               out.is_contiguous() && block_table.is_contiguous(), "contiguous tensors needed");
   TORCH_CHECK(q.size(2) <= 512, "head_dim must be at most 512");
+  const float* sink_logits = sinks_data(sinks, q.size(1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     decode_rows<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(),
                           v_cache.data_ptr<scalar_t>(), block_table.data_ptr<int32_t>(),
@@ -105,6 +114,6 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                           rows.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), reqs.size(0),
                           q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
                           block_table.size(1), static_cast<float>(scale), window,
-                          static_cast<float>(soft_cap));
+                          static_cast<float>(soft_cap), sink_logits);
   });
 }
