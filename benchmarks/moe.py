@@ -22,7 +22,7 @@ only ever slows a run down):
     hf                  throughput.py --compare-hf on the first --hf-num-prompts prompts (all
                         by default) in one static batch: HF `generate` (transformers' default
                         experts implementation) and aserve again (`aserve_hf_prompts`) on them,
-                        in --hf-rounds rounds (HF's decode step costs ~1 s here at any batch)
+                        in --hf-rounds rounds (default 1: HF is the slowest engine by far)
     vllm                ../shared/peers/offline_vllm.py in the peer's venv (its error if it fails)
 
 On a 2-core machine a TP=2 rank has one core: the TP rows check the paths run end to end, not
