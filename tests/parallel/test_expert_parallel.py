@@ -51,6 +51,7 @@ def _rank_main(rank: int, port: int, splits: list[int], out_dir: str) -> None:
     out = all_to_all_moe(x, weights, ids, expert_owners(E, x.device), local)
     torch.save({"out": out, "want": fused_moe_ref(x, w13, w2, weights, ids)},
                f"{out_dir}/rank{rank}.pt")
+    dist.barrier()  # neither rank leaves while the other still talks to it
     dist.destroy_process_group()
 
 
