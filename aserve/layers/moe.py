@@ -75,8 +75,9 @@ class FusedMoE(PreparedLayer):
     """A MoE layer's experts on this rank: (x [T, H], topk_weights [T, k], topk_ids [T, k]) ->
     [T, H], through the bound ops' `fused_moe` (prepared once after loading, `prepare`).
 
-    `forward` returns this rank's PARTIAL sum under the all-reduce combine (the caller adds what
-    else is partial and calls `reduce`), the full output under all-to-all.
+    `forward` returns this rank's PARTIAL sum under the all-reduce combine (the block adds its
+    other partial sums and all-reduces them once, `output_is_partial`), the full output under
+    all-to-all.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
