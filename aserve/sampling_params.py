@@ -8,8 +8,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's `StructuredOutputsParams`): a JSON schema
+    (`json`: a dict or its JSON text), any JSON object (`json_object`), a regex, one of
+    `choice`, an EBNF `grammar`, or a `structural_tag`. Exactly one is set."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}; got "
+                             f"{', '.join(given) if given else 'none'}.")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 class SamplingType(IntEnum):
@@ -40,8 +72,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config, not by users.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    # Filled by the engine: `structured_outputs` compiled for this model's tokenizer.
+    compiled_grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +85,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == 0:
             self.top_k = -1
         if 0 <= self.temperature < 1e-5:  # greedy: the filters below are meaningless

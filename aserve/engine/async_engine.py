@@ -12,6 +12,7 @@ thread never touches an asyncio object; this side never touches the scheduler.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import uuid
@@ -40,6 +41,7 @@ from aserve.sampling_params import SamplingParams
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 MAX_INLINE_TOKENIZE_CHARS = 2000
+GRAMMAR_COMPILE_TIMEOUT_S = float(os.environ.get("ASERVE_GRAMMAR_COMPILE_TIMEOUT", 30))  # then 400
 
 
 class EngineDeadError(RuntimeError):
@@ -163,7 +165,9 @@ class AsyncEngine:
         elif isinstance(message, EngineReady):
             self.model_info = message.model_info
             self.num_kv_blocks = message.num_kv_blocks
-            self.processor = Processor(self.tokenizer, message.model_info)
+            self.processor = Processor(
+                self.tokenizer, message.model_info,
+                any_whitespace=not self.args.structured_outputs_disable_any_whitespace)
             self._ready.set_result(None)
         elif isinstance(message, EngineDead):
             self.dead_error = message.error
@@ -201,7 +205,16 @@ class AsyncEngine:
         """Validate and enqueue one request; its outputs arrive as deltas on the stream."""
         processed = await self.process_prompt(prompt)
         processor = self._check_alive()
-        params = processor.process_params(params)
+        if params.structured_outputs is None:
+            params = processor.process_params(params)
+        else:  # compiling may take a while: off the loop, and bounded
+            try:
+                params = await asyncio.wait_for(
+                    asyncio.to_thread(processor.process_params, params),
+                    GRAMMAR_COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise ValueError(f"structured_outputs took longer than "
+                                 f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile.") from None
         if request_id in self.streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         parent, requests = processor.make_requests(request_id, processed, params, priority,

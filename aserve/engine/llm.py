@@ -41,7 +41,9 @@ class LLM:
         self.engine_core = EngineCore(self.engine_args)
         self.tokenizer = Tokenizer.from_dir(self.engine_args.model_config().tokenizer_path)
         self.model_info = self.engine_core.model_info
-        self.processor = Processor(self.tokenizer, self.model_info)
+        self.processor = Processor(
+            self.tokenizer, self.model_info,
+            any_whitespace=not self.engine_args.structured_outputs_disable_any_whitespace)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

@@ -1,12 +1,14 @@
 """`Processor`: turns a user's prompt and `SamplingParams` into validated engine requests.
 
 Everything that could make a model step fail is checked here, before a request reaches the
-engine: empty or over-long prompts, token ids outside the vocabulary, logit-bias ids.
+engine: empty or over-long prompts, token ids outside the vocabulary, logit-bias ids; a
+structured-output constraint is compiled here too (a bad one is a ValueError).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -15,6 +17,7 @@ from aserve.core.request import Request
 from aserve.engine.output_processor import ParentRequest
 from aserve.engine.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
+from aserve.structured_output import GrammarCompiler
 
 PromptType = str | Mapping
 
@@ -26,9 +29,13 @@ class ProcessedPrompt:
 
 
 class Processor:
-    def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo) -> None:
+    def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo,
+                 any_whitespace: bool = True) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.any_whitespace = any_whitespace  # False: JSON constraints without free whitespace
+        self._grammar_compiler: GrammarCompiler | None = None  # built by the first constraint
+        self._grammar_lock = threading.Lock()
 
     def process_prompt(self, prompt: PromptType,
                        add_special_tokens: bool = True) -> ProcessedPrompt:
@@ -78,7 +85,21 @@ class Processor:
                              f"({self.model_info.vocab_size}), got {params.top_k}.")
         params = copy.copy(params)
         params.eos_token_ids = self.model_info.eos_token_ids
+        spec = params.structured_outputs
+        if spec is not None and params.compiled_grammar is None:
+            if not self.any_whitespace and not spec.disable_any_whitespace:
+                spec = replace(spec, disable_any_whitespace=True)
+            params.compiled_grammar = self.grammar_compiler().compile(spec)
         return params
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The compiler of constraints for this tokenizer (cached compiled grammars inside)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer.backend, self.model_info.vocab_size,
+                    self.model_info.eos_token_ids)
+            return self._grammar_compiler
 
     def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
                       priority: int = 0, stream: bool = False

@@ -36,6 +36,7 @@ from aserve.runner.kv_cache import allocate_kv_buffers, kv_buffer_ids, layer_pla
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
+from aserve.structured_output import allocate_token_bitmask, apply_token_bitmask
 
 T = TypeVar("T")
 
@@ -242,6 +243,7 @@ class ModelRunner:
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
                 logprobs: dict[str, LogprobsLists]) -> list[int]:
+        logits = self._apply_grammars(states, logits)
         metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
                                           generator=self.generator)
         out = self.sampler(logits, metadata)
@@ -251,6 +253,20 @@ class ModelRunner:
             for j, row in zip(rows, lists):
                 logprobs[states[j].req_id] = row
         return out.sampled_token_ids.tolist()
+
+    def _apply_grammars(self, states: list[CachedRequestState],
+                        logits: torch.Tensor) -> torch.Tensor:
+        """Constrained rows' disallowed tokens to -inf: each grammar fills its row of a token
+        bitmask on the host (on a GPU, while the forward still runs), one masked copy applies
+        them; without a constrained row, `logits` as they are."""
+        rows = [j for j, state in enumerate(states) if state.grammar is not None]
+        if not rows:
+            return logits
+        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # [R, ceil(V / 32)]
+        for i, j in enumerate(rows):
+            states[j].grammar.fill_bitmask(bitmask, i)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        return apply_token_bitmask(logits, bitmask, index)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

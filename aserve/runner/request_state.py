@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aserve.sampling_params import SamplingParams
+from aserve.structured_output import GrammarMatcher
 
 
 @dataclass
@@ -18,6 +19,11 @@ class CachedRequestState:
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        # A constrained request's place in its grammar, replayed over the tokens it has (a
+        # preempted request resumes here with them all)
+        compiled = self.sampling_params.compiled_grammar
+        self.grammar = (GrammarMatcher(compiled, self.output_token_ids)
+                        if compiled is not None else None)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -30,3 +36,5 @@ class CachedRequestState:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept_token(token_id)

@@ -84,8 +84,9 @@ class ServerError(Exception):
         """For `ValueError`s of `SamplingParams` / the processor, whose messages start with the
         field they are about ("top_k must be ..."): that word becomes `param`."""
         message = str(exc)
-        first = message.split(" ", 1)[0]
-        param = first if first.isidentifier() and first.islower() else None
+        first = message.split(" ", 1)[0]  # a field, or a dotted path to one
+        ok = all(part.isidentifier() for part in first.split(".")) and first.islower()
+        param = first if ok else None
         return cls(message, status, param)
 
 

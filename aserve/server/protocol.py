@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from aserve.server.structured import StructuredOutputFields
 
 # Limits on hostile or careless requests; each violation is a 400 naming the field.
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -125,8 +126,9 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _GenerationRequest(_Request):
-    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras)."""
+class _GenerationRequest(_Request, StructuredOutputFields):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's extras; the
+    structured-output ones in `structured.py`)."""
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
@@ -209,7 +211,8 @@ class _GenerationRequest(_Request):
             min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias)
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
+            structured_outputs=self.structured_outputs_params())
 
 
 class CompletionRequest(_GenerationRequest):
@@ -333,7 +336,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: LogprobCount | None = None
-    response_format: dict[str, Any] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None  # unsupported
     tool_choice: Literal["none", "auto"] | None = None
     continue_final_message: Literal[False] = False
@@ -345,14 +347,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def _top_logprobs_need_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
         if value and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, value: Any) -> Any:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported "
-                             "yet; only 'text' is.")
         return value
 
     @field_validator("tools", mode="before")

@@ -1,0 +1,96 @@
+"""The request fields that constrain a completion, OpenAI's and vLLM's, and the one
+`StructuredOutputsParams` they mean:
+
+    response_format      {"type": "text" | "json_object" | "json_schema", "json_schema":
+                          {"name", "schema", "strict", "description"}}       (OpenAI)
+    structured_outputs   {"json" | "regex" | "choice" | "grammar" | "json_object" |
+                          "structural_tag": ..., "disable_any_whitespace"}    (vLLM)
+    guided_json, guided_regex, guided_choice, guided_grammar                 (vLLM, older)
+
+At most one constraint per request (two are a 400 naming both). The constraint itself (a schema,
+a regex, a grammar) is compiled, and refused if bad, by the engine's processor.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from aserve.sampling_params import StructuredOutputsParams
+
+JsonSchema = dict[str, Any] | bool
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
+                              populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    json_schema: JsonSchema | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` request field."""
+
+    json_: str | JsonSchema | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
+                              populate_by_name=True)
+
+
+class StructuredOutputFields(_Strict):
+    """Mixed into the completions and chat requests."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # the server's backend is used whatever it says
+    guided_whitespace_pattern: None = None  # would change the output: refused, see below
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's one constraint, or None; ValueError naming the fields otherwise."""
+        found: dict[str, dict[str, Any]] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+                raise ValueError("response_format.json_schema.schema is required for a "
+                                 "response_format of type json_schema.")
+            found["response_format"] = {"json": fmt.json_schema.json_schema}
+        if self.structured_outputs is not None:
+            spec = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+            whitespace = spec.pop("disable_any_whitespace", False)
+            if spec.get("json_object") is False:
+                spec.pop("json_object")
+            if spec:
+                found["structured_outputs"] = {**spec, "disable_any_whitespace": whitespace}
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found[name] = {kind: getattr(self, name)}
+        if len(found) > 1:
+            raise ValueError(f"structured_outputs takes one constraint per request, got "
+                             f"{', '.join(found)}.")
+        return StructuredOutputsParams(**found.popitem()[1]) if found else None

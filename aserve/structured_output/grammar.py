@@ -1,0 +1,193 @@
+"""llguidance behind three small pieces: `GrammarCompiler` (a request's constraint -> a checked
+grammar, for one tokenizer), `GrammarMatcher` (one request's position in it) and
+`apply_token_bitmask` (a torch op: disallowed tokens' logits to -inf, on any device).
+
+The token bitmask is int32 [rows, ceil(vocab / 32)], bit j of word w set where token 32 w + j
+is allowed (llguidance's and xgrammar's layout). Tokens past the tokenizer's vocabulary (a
+model's padded rows) are never allowed.
+
+Why llguidance rather than xgrammar (vLLM's default), measured on smol's 49 k-token vocabulary
+with a 61-property schema: tokenizer setup 0.16 s vs 0.08 s, compile 2 ms vs 40 ms, mask 15 vs
+3 µs per token — both far below a decode step — but xgrammar 0.2.9 lets a length-bounded JSON
+string (`maxLength`) hold raw control characters, which is not JSON (`json.loads` refuses it),
+and needs a private call to read a `tokenizers` vocabulary; llguidance's strings are JSON's, it
+takes the tokenizer's JSON as it is, and it checks a grammar against the tokenizer before use.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from aserve.sampling_params import StructuredOutputsParams
+
+
+class GrammarCompiler:
+    """Turns constraints into llguidance grammars for one tokenizer (`tokenizers.Tokenizer`)
+    and a model vocabulary of `vocab_size` rows; `stop_token_ids` end a completed grammar.
+    `compile` returns the grammar checked against the tokenizer (cached by constraint)."""
+
+    def __init__(self, backend_tokenizer: Any, vocab_size: int,
+                 stop_token_ids: tuple[int, ...] | list[int]) -> None:
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(backend_tokenizer.to_str(), n_vocab=vocab_size,
+                                                eos_token=list(stop_token_ids) or None)
+        self._cache: dict[str, str] = {}
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """The checked grammar of `spec`; ValueError naming the field for a bad constraint."""
+        import llguidance
+
+        kind = spec.kind
+        key = json.dumps([kind, getattr(spec, kind), spec.disable_any_whitespace],
+                         sort_keys=True)
+        if key not in self._cache:
+            grammar = self._grammar(spec, kind)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if error:
+                raise ValueError(f"structured_outputs.{kind} could not be compiled: "
+                                 f"{_first_line(error)}")
+            self._cache[key] = grammar
+        return CompiledGrammar(self.tokenizer, self._cache[key])
+
+    def _grammar(self, spec: StructuredOutputsParams, kind: str) -> str:
+        import llguidance
+
+        options = {"whitespace_flexible": not spec.disable_any_whitespace}
+        try:
+            if kind == "json":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    _json_schema(spec.json), defaults=options)
+            if kind == "json_object":
+                return llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults=options)
+            if kind == "regex":
+                return llguidance.grammar_from("regex", spec.regex)
+            if kind == "choice":
+                return llguidance.grammar_from("choice", json.dumps(spec.choice))
+            if kind == "grammar":  # Lark, or GBNF / EBNF (`root ::= ...`)
+                return llguidance.grammar_from("grammar", spec.grammar)
+            return _structural_tag(spec.structural_tag)
+        except Exception as e:  # llguidance's parse errors (ours name the field already)
+            if str(e).startswith("structured_outputs"):
+                raise
+            raise ValueError(f"structured_outputs.{kind} could not be compiled: "
+                             f"{_first_line(e)}") from None
+
+
+class CompiledGrammar:
+    """A checked grammar and the tokenizer it is for: what a request's matcher starts from."""
+
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        self.tokenizer, self.grammar = tokenizer, grammar
+
+
+def _structural_tag(value: str | dict[str, Any]) -> str:
+    """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}:
+    free text in which each trigger starts a begin-schema-end segment."""
+    import llguidance
+
+    tag = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(tag, dict) or not tag.get("structures") or not tag.get("triggers"):
+        raise ValueError("structured_outputs.structural_tag needs structures and triggers.")
+    tags = []
+    for item in tag["structures"]:
+        trigger = next((t for t in tag["triggers"] if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag: no trigger starts "
+                             f"{item['begin']!r}.")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"],
+                                         grammar=item.get("schema") or {}, end=item["end"]))
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def _json_schema(value: str | dict[str, Any]) -> dict[str, Any] | bool:
+    """The schema as an object, checked against its own metaschema (jsonschema)."""
+    import jsonschema
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError("structured_outputs.json must be a JSON schema object.")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
+                         f"{e.message}") from None
+    return value
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
+
+
+class GrammarMatcher:
+    """One request's state in its grammar: `fill_bitmask` before a token is sampled,
+    `accept_token` after. Rebuilt (and replayed) when a preempted request resumes."""
+
+    def __init__(self, compiled: CompiledGrammar, token_ids: list[int] = ()) -> None:
+        import llguidance
+
+        self._matcher = llguidance.LLMatcher(compiled.tokenizer, compiled.grammar)
+        self._stop_token_ids = list(compiled.tokenizer.eos_tokens)
+        for token_id in token_ids:
+            self.accept_token(token_id)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by `token_id`; False if the grammar does not allow it (or has ended)."""
+        if self._matcher.is_stopped():
+            return False
+        return self._matcher.consume_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of `bitmask` (int32, CPU) := the tokens allowed next. A grammar that has
+        ended (its text complete, nothing may follow) allows only the stop tokens: the request
+        ends there with EOS."""
+        if self._matcher.is_stopped():
+            bitmask[row] = 0
+            for token_id in self._stop_token_ids:
+                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+            return
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a Python int (bit 31 is the sign)."""
+    return -(1 << 31) if j == 31 else 1 << j
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """int32 [num_rows, ceil(vocab / 32)] on the CPU, every token allowed."""
+    return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [N, V] with disallowed tokens at -inf (a new tensor): bitmask [len(rows), W] for
+    the rows `rows` (all rows when None). Plain torch ops, so any device runs it."""
+    vocab = logits.shape[-1]
+    mask = bitmask.to(logits.device)
+    allowed = (mask[:, :, None] >> _BITS.to(logits.device)) & 1  # [R, W, 32]
+    allowed = allowed.reshape(mask.shape[0], -1)[:, :vocab].bool()  # [R, V]
+    out = logits.clone()
+    if rows is None:
+        return out.masked_fill_(~allowed, float("-inf"))
+    out[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return out

@@ -1,0 +1,127 @@
+"""Constrained decoding in the engine, offline (`LLM`): on a tiny random-weight model sampling
+at temperature 1 — which left alone writes anything — every JSON-schema output validates, every
+regex output fullmatches, every choice is one of the choices, an EBNF grammar's outputs parse;
+a constrained row's mask never leaks into its neighbours; preemption, n > 1 and both
+scheduling modes keep outputs valid; a bad constraint is refused before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.sampling_params import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet", "tags"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Tell me about yourself.", "JSON please:", "The weather today"]
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, dtype="float32", structured_outputs_disable_any_whitespace=True)
+
+
+def constrained(spec: StructuredOutputsParams, **extra) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_tokens": 200, "seed": 7,
+                             "structured_outputs": spec, **extra})
+
+
+def texts(llm: LLM, prompts: list, params) -> list[str]:
+    return [c.text for o in llm.generate(prompts, params) for c in o.outputs]
+
+
+def test_unconstrained_sampling_is_not_json(llm):
+    """The test model's own text is not JSON: the constraint below does the work."""
+    outputs = texts(llm, PROMPTS, SamplingParams(temperature=1.0, max_tokens=40, seed=7))
+    for text in outputs:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+
+
+def test_json_schema_outputs_validate_also_with_n_2(llm):
+    outputs = texts(llm, PROMPTS, constrained(StructuredOutputsParams(json=SCHEMA), n=2))
+    assert len(outputs) == 6
+    for text in outputs:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_regex_choice_and_grammar_outputs_hold(llm):
+    # any object: its strings are unbounded, so the random model is nudged to close them
+    closing = {llm.tokenizer.token_to_id(c): 4.0 for c in ('"', "}")}
+    for text in texts(llm, PROMPTS, constrained(StructuredOutputsParams(json_object=True),
+                                                max_tokens=400, logit_bias=closing)):
+        assert isinstance(json.loads(text), dict)
+    pattern = r"[a-f]{2,4}-\d{3}"
+    for text in texts(llm, PROMPTS, constrained(StructuredOutputsParams(regex=pattern))):
+        assert re.fullmatch(pattern, text), text
+    choices = ["yes", "no way", 'naïve "quoted"']
+    for text in texts(llm, PROMPTS * 2, constrained(StructuredOutputsParams(choice=choices))):
+        assert text in choices
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    for text in texts(llm, PROMPTS, constrained(StructuredOutputsParams(grammar=grammar))):
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
+
+
+def test_a_constrained_row_does_not_change_its_neighbours(llm):
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    alone = texts(llm, PROMPTS[:1], greedy)
+    params = [greedy, constrained(StructuredOutputsParams(json=SCHEMA)),
+              constrained(StructuredOutputsParams(regex="[0-9]{5}"))]
+    beside = llm.generate(PROMPTS, params)
+    assert beside[0].outputs[0].text == alone[0]
+    jsonschema.validate(json.loads(beside[1].outputs[0].text), SCHEMA)
+    assert re.fullmatch("[0-9]{5}", beside[2].outputs[0].text)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_preempted_constrained_requests_resume_in_their_grammar(llama_dir, async_scheduling):
+    """Under a cache too small for all of them, requests are preempted mid-JSON and recomputed;
+    their grammars are replayed over the tokens they had, and greedy outputs equal an
+    unpreempted run's."""
+    spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=spec)
+    prompts = [p * 3 for p in PROMPTS]
+    roomy = LLM(llama_dir, dtype="float32", async_scheduling=async_scheduling)
+    expected = texts(roomy, prompts, params)
+    tight = LLM(llama_dir, dtype="float32", num_kv_blocks=15, block_size=8,
+                max_num_batched_tokens=16, max_model_len=96,
+                async_scheduling=async_scheduling)
+    got = texts(tight, prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert got == expected
+    for text in got:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_constrained_request_that_runs_out_of_tokens_ends_with_length(llm):
+    out = llm.generate(PROMPTS[:1], constrained(StructuredOutputsParams(json=SCHEMA),
+                                                max_tokens=3))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(json={"type": "nope"}), r"structured_outputs\.json is not a valid JSON schema"),
+    (dict(json="{not json"), r"structured_outputs\.json is not valid JSON"),
+    (dict(regex="a(b"), r"structured_outputs\.regex could not be compiled"),
+    (dict(grammar="root ::= undefined_rule"), r"structured_outputs\.grammar could not be"),
+    (dict(choice=[]), r"structured_outputs\.choice must be a non-empty list"),
+    (dict(regex="a", choice=["b"]), r"exactly one of"),
+])
+def test_a_bad_constraint_is_refused_before_the_engine(llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=spec))
+    assert not llm.engine_core.has_unfinished_requests()
