@@ -44,10 +44,10 @@ class EngineArgs:
     # MoE layers hold whole experts per TP rank (attention stays tensor-parallel); a dense model
     # has nothing to place, so it changes nothing there (as in vLLM)
     enable_expert_parallel: bool = False
-    # JSON constraints allow no free whitespace between tokens, for every request (a request
-    # may also ask with structured_outputs.disable_any_whitespace); vLLM's
-    # structured_outputs_config.disable_any_whitespace
-    structured_outputs_disable_any_whitespace: bool = False
+    # JSON constraints allow free whitespace between tokens (vLLM's default). Off by default:
+    # JSON comes out compact (", " and ": " separators), and a weak model cannot loop on
+    # whitespace; a request's structured_outputs.disable_any_whitespace always wins.
+    structured_outputs_any_whitespace: bool = False
     moe_combine: str = "all-reduce"  # how expert-parallel outputs meet: all-reduce | all-to-all
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,

@@ -167,7 +167,7 @@ class AsyncEngine:
             self.num_kv_blocks = message.num_kv_blocks
             self.processor = Processor(
                 self.tokenizer, message.model_info,
-                any_whitespace=not self.args.structured_outputs_disable_any_whitespace)
+                any_whitespace=self.args.structured_outputs_any_whitespace)
             self._ready.set_result(None)
         elif isinstance(message, EngineDead):
             self.dead_error = message.error

@@ -43,7 +43,7 @@ class LLM:
         self.model_info = self.engine_core.model_info
         self.processor = Processor(
             self.tokenizer, self.model_info,
-            any_whitespace=not self.engine_args.structured_outputs_disable_any_whitespace)
+            any_whitespace=self.engine_args.structured_outputs_any_whitespace)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 

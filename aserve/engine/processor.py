@@ -30,7 +30,7 @@ class ProcessedPrompt:
 
 class Processor:
     def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo,
-                 any_whitespace: bool = True) -> None:
+                 any_whitespace: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.any_whitespace = any_whitespace  # False: JSON constraints without free whitespace

@@ -76,9 +76,9 @@ ENGINE_HELP = {
     "moe_combine": "with --enable-expert-parallel: all-reduce (every rank routes every token) "
                    "| all-to-all (each rank's share of the tokens travels to its experts' "
                    "ranks and back)",
-    "structured_outputs_disable_any_whitespace": "JSON constraints (response_format, "
-        "structured_outputs.json) allow no whitespace between JSON tokens: compact output, "
-        "and a weak model cannot loop on whitespace",
+    "structured_outputs_any_whitespace": "JSON constraints (response_format, "
+        "structured_outputs.json) allow free whitespace between JSON tokens, as vLLM does "
+        "(default: compact JSON, on which a weak model cannot loop on whitespace)",
     "nnodes": "nodes the ranks are spread over (one `python -m aserve` per node; default: "
               "$NNODES or 1)",
     "node_rank": "this node's index; node 0 serves HTTP, the others run ranks only (default: "

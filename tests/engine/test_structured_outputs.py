@@ -32,7 +32,7 @@ PROMPTS = ["Tell me about yourself.", "JSON please:", "The weather today"]
 
 @pytest.fixture(scope="module")
 def llm(llama_dir):
-    return LLM(llama_dir, dtype="float32", structured_outputs_disable_any_whitespace=True)
+    return LLM(llama_dir, dtype="float32")
 
 
 def constrained(spec: StructuredOutputsParams, **extra) -> SamplingParams:
