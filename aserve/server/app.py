@@ -47,6 +47,8 @@ class ServerConfig:
     max_waiting_requests: int = 512
     request_timeout: float | None = None  # seconds a request may take; then it is aborted
     liveness_timeout: float = 30.0  # `/health?generate=1`: seconds to produce one token
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed from the text
+    tool_call_parser: str | None = None  # the model's tool-call format (`tool_parsers.py`)
 
 
 class ServerState:

@@ -39,6 +39,7 @@ from aserve.server.serving import (
     sse_events,
     start_generations,
 )
+from aserve.server.tool_parsers import ReplyTools, ToolParser, get_tool_parser
 
 
 async def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
@@ -51,7 +52,8 @@ async def render_chat(request: Request, engine, body: ChatCompletionRequest | ob
     def render() -> str:
         return engine.tokenizer.apply_chat_template(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-            chat_template=template, **(body.chat_template_kwargs or {}))
+            chat_template=template, tools=getattr(body, "template_tools", lambda: None)(),
+            **(body.chat_template_kwargs or {}))
 
     try:
         return await asyncio.to_thread(render) if own else render()
@@ -63,15 +65,25 @@ async def render_chat(request: Request, engine, body: ChatCompletionRequest | ob
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(request, body.model)
+    config = server_state(request).config
+    parser = (get_tool_parser(config.tool_call_parser)
+              if config.enable_auto_tool_choice and config.tool_call_parser else None)
+    try:
+        body.check_tools(auto_tool_choice=parser is not None)
+    except ValueError as e:
+        raise ServerError.from_value_error(e) from e
     engine = running_engine(request)
     prompt = await process_prompt(engine, await render_chat(request, engine, body),
                                   body.add_special_tokens)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)
+    if body.tool_mode == "auto" and not parser.skip_special_tokens:
+        params.skip_special_tokens = False  # its markers are special tokens
     request_id = make_id("chatcmpl")
     generations = await start_generations(request, engine, request_id, [prompt], [params],
                                           body.priority)
-    view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer)
+    view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer,
+                    parser if body.tool_mode == "auto" else None)
     if body.stream:
         return StreamingResponse(sse_events(view.stream(generations)),
                                  media_type="text/event-stream")
@@ -83,9 +95,10 @@ class ChatView:
     """Turns engine deltas into OpenAI's chat completion objects for one HTTP request."""
 
     def __init__(self, body: ChatCompletionRequest, model: str, request_id: str,
-                 tokenizer) -> None:
+                 tokenizer, tool_parser: ToolParser | None = None) -> None:
         self.body, self.model, self.request_id = body, model, request_id
         self.tokenizer = tokenizer
+        self.tools = ReplyTools(body, tool_parser)
         self.n = body.n or 1
         last = body.messages[-1]
         # `echo`: the reply continues the last message when that is the assistant's own.
@@ -112,12 +125,14 @@ class ChatView:
                 ids[k] += delta.token_ids
                 logprobs[k] += delta.logprobs or [None] * len(delta.token_ids)
                 reasons[k] = (delta.finish_reason, delta.stop_reason)
-        choices = [
-            ChatCompletionChoice(index=k, message=ChatResponseMessage(content=texts[k]),
-                                 logprobs=self.logprobs_of(ids[k], logprobs[k]),
-                                 finish_reason=reasons[k][0], stop_reason=reasons[k][1])
-            for k in range(self.n)
-        ]
+        choices = []
+        for k in range(self.n):
+            content, calls = self.tools.split(texts[k], reasons[k][0])
+            finish = "tool_calls" if calls and reasons[k][0] == "stop" else reasons[k][0]
+            choices.append(ChatCompletionChoice(
+                index=k, message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=self.logprobs_of(ids[k], logprobs[k]), finish_reason=finish,
+                stop_reason=reasons[k][1]))
         prompt_logprobs = (outputs[0].prompt_logprobs
                            if self.body.prompt_logprobs is not None else None)
         usage = UsageInfo.of(len(generation.prompt.prompt_token_ids), sum(map(len, ids)))
@@ -132,6 +147,7 @@ class ChatView:
         for k in range(self.n):
             yield chat_role_chunk(self.request_id, self.model, created, k)
         echoed: set[int] = set()
+        streams = [self.tools.stream() for _ in range(self.n)]
         async for _, output in merged_outputs(generations):
             for delta in output.outputs:
                 text = delta.text
@@ -141,10 +157,14 @@ class ChatView:
                 num_generated += len(delta.token_ids)
                 usage = (UsageInfo.of(num_prompt, num_generated)
                          if self.body.continuous_usage_stats else None)
+                content, calls = streams[delta.index].feed(text, delta.finish_reason)
+                finish = delta.finish_reason
+                if finish == "stop" and streams[delta.index].has_calls:
+                    finish = "tool_calls"
                 choice = ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=text),
+                    index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls),
                     logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
-                    finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+                    finish_reason=finish, stop_reason=delta.stop_reason)
                 yield ChatCompletionStreamResponse(
                     id=self.request_id, created=created, model=self.model,
                     choices=[choice], usage=usage)

@@ -32,6 +32,7 @@ import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
+from aserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # the server side imports torch: load it only once arguments are valid
 
@@ -172,6 +173,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, time in-flight requests get to finish before "
                             "they are aborted (finish_reason \"abort\") (default: 10)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model call tools on its own (tool_choice "auto"), read '
+                            "from its text by --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Qwen2.5/3, Hermes), "
+                            "llama3_json (Llama 3.x), mistral")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
 
@@ -209,11 +216,15 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
         raise UsageError("--max-waiting-requests must be >= 0")
     if ns.request_timeout is not None and ns.request_timeout <= 0:
         raise UsageError("--request-timeout must be > 0")
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServerConfig(served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=ns.chat_template, allowed_origins=origins,
                         max_waiting_requests=ns.max_waiting_requests,
-                        request_timeout=ns.request_timeout)
+                        request_timeout=ns.request_timeout,
+                        enable_auto_tool_choice=ns.enable_auto_tool_choice,
+                        tool_call_parser=ns.tool_call_parser)
 
 
 # ---------------------------------------------------------------------------------- the model

@@ -29,6 +29,7 @@ from pydantic import (
 
 from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from aserve.server.structured import StructuredOutputFields
+from aserve.server.tools import ToolCall, ToolFields, template_tool_calls
 
 # Limits on hostile or careless requests; each violation is a 400 naming the field.
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -293,6 +294,8 @@ class ChatMessage(_Request):
     role: str
     content: str | ContentParts | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -319,13 +322,20 @@ class ChatMessage(_Request):
             return self.content or ""
         return "\n".join(part.text for part in self.content)
 
-    def to_template(self) -> dict[str, str]:
-        """This message as a chat template sees it: role, content (a string), name if given."""
-        message = {"role": self.role, "content": self.text()}
-        return message | {"name": self.name} if self.name is not None else message
+    def to_template(self) -> dict[str, Any]:
+        """This message as a chat template sees it: role, content (a string), name, tool calls
+        (arguments as objects) and tool_call_id where given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(_GenerationRequest, ToolFields):
     """`POST /v1/chat/completions`."""
 
     messages: Messages
@@ -336,8 +346,6 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: LogprobCount | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = None  # unsupported
-    tool_choice: Literal["none", "auto"] | None = None
     continue_final_message: Literal[False] = False
     add_special_tokens: bool = False
     echo: bool = False
@@ -347,20 +355,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def _top_logprobs_need_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
         if value and not info.data.get("logprobs"):
             raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
-        return value
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("tools are not supported yet.")
-        return value
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none", "auto"):  # "auto" with no tools means "none"
-            raise ValueError(f"tool_choice {value!r} is not supported yet; only 'none' is.")
         return value
 
     @field_validator("continue_final_message", mode="before")
@@ -375,7 +369,15 @@ class ChatCompletionRequest(_GenerationRequest):
         Raises `ValueError` naming the field for values `SamplingParams` rejects."""
         max_tokens = _or(self.max_completion_tokens, _or(self.max_tokens, default_max_tokens))
         logprobs = _or(self.top_logprobs, 0) if self.logprobs else None
-        return SamplingParams(**self._sampling_kwargs(), max_tokens=max_tokens, logprobs=logprobs)
+        kwargs = self._sampling_kwargs()
+        tool_constraint = self.tool_constraint()
+        if tool_constraint is not None:
+            if kwargs["structured_outputs"] is not None:
+                raise ValueError(f"tool_choice {self.tool_mode} constrains the reply already; "
+                                 "it cannot be combined with response_format or "
+                                 "structured_outputs.")
+            kwargs["structured_outputs"] = tool_constraint
+        return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them (content flattened to a string)."""

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 from aserve.engine.outputs import Logprob
 from aserve.server.protocol import make_id, unix_now
+from aserve.server.tools import ToolCall
 
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
@@ -88,6 +89,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -113,6 +115,9 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # [{index, id?, type?, function: {name?, arguments?}}]: a call's first chunk has its id and
+    # name, the later ones pieces of its arguments
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from aserve.sampling_params import StructuredOutputsParams
 
@@ -39,6 +39,13 @@ class JsonSchemaFormat(_Strict):
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.json_schema is None):
+            raise ValueError("a response_format of type json_schema needs json_schema.schema.")
+        return self
 
 
 class StructuredOutputsRequest(_Strict):
@@ -75,9 +82,6 @@ class StructuredOutputFields(_Strict):
         if fmt is not None and fmt.type == "json_object":
             found["response_format"] = {"json_object": True}
         elif fmt is not None and fmt.type == "json_schema":
-            if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-                raise ValueError("response_format.json_schema.schema is required for a "
-                                 "response_format of type json_schema.")
             found["response_format"] = {"json": fmt.json_schema.json_schema}
         if self.structured_outputs is not None:
             spec = self.structured_outputs.model_dump(exclude_none=True, by_alias=True)

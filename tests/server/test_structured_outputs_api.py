@@ -106,7 +106,7 @@ BAD = [
                           "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "structured_outputs.json", "not a valid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     "response_format.json_schema.schema", "required"),
+     "response_format", "needs json_schema.schema"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "could not be"),
     ({"guided_grammar": "root ::= missing"}, "structured_outputs.grammar", "could not be"),
     ({"guided_choice": []}, None, ""),

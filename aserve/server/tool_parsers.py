@@ -1,0 +1,256 @@
+"""`--tool-call-parser NAME`: a model's own tool-call format -> (content, tool calls), for
+`tool_choice: "auto"`. vLLM's names and formats:
+
+    hermes       <tool_call>{"name": ..., "arguments": {...}}</tool_call>   (Qwen2.5/3, Hermes)
+    llama3_json  [<|python_tag|>]{"name": ..., "parameters": {...}}[; {...}]  (Llama 3.x)
+    mistral      [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]        (Mistral; also
+                 [TOOL_CALLS]name[ARGS]{...} of the v11 tokenizers)
+
+Each parser reads the whole text so far: `parse(text, final)` gives the content that is safely
+content and the calls complete in it; streaming diffs successive parses (`StreamingToolParser`),
+so a streamed reply's chunks concatenate to the non-streamed result. Text that looks like a call
+but does not parse stays content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from aserve.server.tools import FunctionCall, ToolCall, make_tool_call_id
+
+
+@dataclass
+class ParsedTools:
+    content: str  # the text that is not a call (so far)
+    calls: list[tuple[str, str]]  # (name, arguments JSON), complete calls only
+
+
+class ToolParser:
+    """Subclasses implement `parse`; `skip_special_tokens` is False where the format's markers
+    are special tokens that decoding would drop."""
+
+    skip_special_tokens = True
+
+    def parse(self, text: str, final: bool) -> ParsedTools:
+        raise NotImplementedError  # every registered parser defines it
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _call(obj: object, arguments_key: str) -> tuple[str, str] | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class HermesToolParser(ToolParser):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> ParsedTools:
+        content, calls, pos = [], [], 0
+        while True:
+            start = text.find(self.START, pos)
+            if start < 0:
+                tail = text[pos:]
+                keep = len(tail) if final else len(tail) - _held_back(tail, self.START)
+                content.append(tail[:keep])
+                break
+            content.append(text[pos:start])
+            end = text.find(self.END, start)
+            if end < 0:  # a call still being written (or, at the end, a broken one)
+                if final:
+                    content.append(text[start:])
+                break
+            body = text[start + len(self.START):end].strip()
+            try:
+                call = _call(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                content.append(text[start:end + len(self.END)])
+            else:
+                calls.append(call)
+            pos = end + len(self.END)
+        return ParsedTools("".join(content), calls)
+
+
+class Llama3JsonToolParser(ToolParser):
+    """The reply is the call(s), JSON objects separated by ";"; anything else is content."""
+
+    TAG = "<|python_tag|>"
+    skip_special_tokens = False
+
+    def parse(self, text: str, final: bool) -> ParsedTools:
+        body = text.strip()
+        looks_like_call = body.startswith(("{", self.TAG)) or (
+            not final and self.TAG.startswith(body))
+        if not looks_like_call:
+            return ParsedTools(text, [])
+        if not final:
+            return ParsedTools("", [])
+        calls = []
+        for part in body.removeprefix(self.TAG).split(";"):
+            try:
+                call = _call(json.loads(part), "parameters")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return ParsedTools(text, [])
+            calls.append(call)
+        return ParsedTools("", calls)
+
+
+class MistralToolParser(ToolParser):
+    MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    skip_special_tokens = False
+
+    def parse(self, text: str, final: bool) -> ParsedTools:
+        start = text.find(self.MARKER)
+        if start < 0:
+            keep = len(text) if final else len(text) - _held_back(text, self.MARKER)
+            return ParsedTools(text[:keep], [])
+        content, body = text[:start], text[start + len(self.MARKER):]
+        if not final:
+            return ParsedTools(content, [])
+        calls = self._calls(body.strip())
+        if calls is None:
+            return ParsedTools(text, [])
+        return ParsedTools(content, calls)
+
+    def _calls(self, body: str) -> list[tuple[str, str]] | None:
+        try:
+            if self.ARGS in body:  # name[ARGS]{...}, repeated after further markers
+                calls = []
+                for chunk in body.split(self.MARKER):
+                    name, _, arguments = chunk.partition(self.ARGS)
+                    calls.append((name.strip(), json.dumps(json.loads(arguments),
+                                                           ensure_ascii=False)))
+                return calls
+            objects = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        objects = objects if isinstance(objects, list) else [objects]
+        calls = [_call(obj, "arguments") for obj in objects]
+        return None if any(c is None for c in calls) else calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"tool call parser {name!r} is unknown; known: "
+                         f"{', '.join(sorted(TOOL_PARSERS))}.") from None
+
+
+def tool_calls_of(parsed: ParsedTools) -> list[ToolCall]:
+    return [ToolCall(function=FunctionCall(name=name, arguments=arguments))
+            for name, arguments in parsed.calls]
+
+
+@dataclass
+class StreamingToolParser:
+    """One choice's stream: `feed(delta)` -> (new content, new complete calls)."""
+
+    parser: ToolParser
+    text: str = ""
+    content_sent: int = 0
+    calls_sent: int = 0
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        self.text += delta
+        parsed = self.parser.parse(self.text, final)
+        content = parsed.content[self.content_sent:]
+        self.content_sent = max(self.content_sent, len(parsed.content))
+        new = tool_calls_of(ParsedTools("", parsed.calls[self.calls_sent:]))
+        self.calls_sent = len(parsed.calls)
+        self.calls += new
+        return content, new
+
+
+
+class ReplyTools:
+    """How one chat request's replies become content and tool calls, whole (`split`) or
+    streamed (`stream`), for its tool mode (`ToolFields.tool_mode`)."""
+
+    def __init__(self, body, parser: ToolParser | None) -> None:
+        self.body, self.parser = body, parser
+        self.mode = getattr(body, "tool_mode", "none")
+
+    def split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole reply. A constrained reply cut short (length) is left
+        as content: its JSON is incomplete."""
+        if self.mode in ("required", "named"):
+            if finish_reason != "stop":
+                return text, []
+            try:
+                return None, self.body.constrained_calls(text)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return text, []
+        if self.mode == "auto" and self.parser is not None:
+            parsed = self.parser.parse(text, final=True)
+            calls = tool_calls_of(parsed)
+            return (parsed.content.strip() or None) if calls else parsed.content, calls
+        return text, []
+
+    def stream(self) -> ChoiceToolStream:
+        return ChoiceToolStream(self)
+
+
+class ChoiceToolStream:
+    """One streamed choice: `feed(text delta, finish_reason)` -> (content delta or None,
+    tool-call deltas or None). Named calls stream their arguments as they come; `required`
+    calls come whole when the reply ends (the array is parsed then); auto calls come whole as
+    each completes in the text."""
+
+    def __init__(self, tools: ReplyTools) -> None:
+        self.tools, self.buffer, self.num_calls = tools, "", 0
+        self.parsing = (StreamingToolParser(tools.parser)
+                        if tools.mode == "auto" and tools.parser is not None else None)
+
+    @property
+    def has_calls(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str, finish_reason: str | None
+             ) -> tuple[str | None, list[dict] | None]:
+        mode = self.tools.mode
+        if mode == "named":
+            if self.num_calls == 0:
+                self.num_calls, self.call_id = 1, make_tool_call_id()
+                name = self.tools.body.tool_choice.function.name
+                return None, [{"index": 0, "id": self.call_id, "type": "function",
+                               "function": {"name": name, "arguments": text}}]
+            return None, ([{"index": 0, "function": {"arguments": text}}] if text else None)
+        if mode == "required":
+            self.buffer += text
+            if finish_reason is None:
+                return None, None
+            content, calls = self.tools.split(self.buffer, finish_reason)
+            return (content, self._deltas(calls) or None)
+        if self.parsing is not None:
+            content, calls = self.parsing.feed(text, final=finish_reason is not None)
+            return content, self._deltas(calls) or None
+        return text, None
+
+    def _deltas(self, calls: list[ToolCall]) -> list[dict]:
+        deltas = [{"index": self.num_calls + i, "id": c.id, "type": "function",
+                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                  for i, c in enumerate(calls)]
+        self.num_calls += len(calls)
+        return deltas

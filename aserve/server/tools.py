@@ -1,0 +1,149 @@
+"""Tool calling: the request's `tools` / `tool_choice` / `parallel_tool_calls`, what they make
+the model generate, and how its text becomes `tool_calls`.
+
+    tool_choice     generation                                   the text is
+    none            free (tools still shown to the chat template) content
+    required        constrained: a JSON array of {name, parameters}  the calls
+    {function}      constrained: the named function's arguments  that call's arguments
+    auto            free, in the model's own format              parsed by --tool-call-parser
+                    (`tool_parsers.py`; needs --enable-auto-tool-choice)
+
+`required` and named choices are enforced by a grammar, so their arguments are valid JSON of the
+function's schema even from a weak model.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from aserve.sampling_params import StructuredOutputsParams
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """An assistant message's tool call, in a conversation's history (or a reply)."""
+
+    id: str = Field(default_factory=lambda: make_tool_call_id())
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def make_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(_Strict):
+    """Mixed into the chat request."""
+
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+
+    @model_validator(mode="after")
+    def _choice_fits_tools(self) -> ToolFields:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
+        if not names and choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice needs tools: the request gives none.")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is "
+                             f"not among the tools ({', '.join(names)}).")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none | auto | required | named."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice or "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    def check_tools(self, auto_tool_choice: bool) -> None:
+        """ValueError naming the field where the server cannot take the tool choice."""
+        if self.tool_mode == "auto" and not auto_tool_choice:
+            raise ValueError('tool_choice "auto" needs the server started with '
+                             "--enable-auto-tool-choice and --tool-call-parser.")
+
+    def tool_constraint(self) -> StructuredOutputsParams | None:
+        """The grammar `required` and named choices generate under; None otherwise."""
+        mode = self.tool_mode
+        if mode == "named":
+            tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return StructuredOutputsParams(json=_parameters(tool))
+        if mode != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "parameters": _parameters(t)},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t in self.tools]
+        array: dict[str, Any] = {"type": "array", "minItems": 1,
+                                 "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if self.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return StructuredOutputsParams(json=array)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as a chat template's `tools` variable takes them (transformers' shape)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def constrained_calls(self, text: str) -> list[ToolCall]:
+        """The calls of a `required` / named reply (its text is the grammar's JSON)."""
+        if self.tool_mode == "named":
+            return [ToolCall(function=FunctionCall(name=self.tool_choice.function.name,
+                                                   arguments=text))]
+        return [ToolCall(function=FunctionCall(name=c["name"],
+                                               arguments=json.dumps(c["parameters"])))
+                for c in json.loads(text)]
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def template_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+    """A history message's tool calls for a chat template: arguments as an object (the shape
+    templates index into), as vLLM hands them over."""
+    out = []
+    for call in calls:
+        try:
+            arguments: Any = json.loads(call.function.arguments)
+        except json.JSONDecodeError:
+            arguments = call.function.arguments
+        out.append({"id": call.id, "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments}})
+    return out

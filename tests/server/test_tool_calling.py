@@ -1,0 +1,216 @@
+"""Tool calling with the real openai SDK against a served tiny random-weight model at
+temperature 1: `required` and named tool choices, streamed and not, give `tool_calls` whose
+arguments validate against the function's schema, with `finish_reason: "tool_calls"`, and the
+streamed deltas concatenate to the non-streamed reply; `auto` with the hermes parser turns a
+`<tool_call>` block of the model's text (forced here by a regex constraint) into `tool_calls`;
+the llama3_json, mistral and hermes parsers read recorded model-format strings whole and
+streamed in random splits; tool history is accepted and reaches the chat template; bad tool
+requests are 400s.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import jsonschema
+import pytest
+from helpers.server import assert_error, serving, tiny_app
+
+from aserve.server import ServerConfig
+from aserve.server.protocol import ChatCompletionRequest
+from aserve.server.tool_parsers import StreamingToolParser, get_tool_parser, tool_calls_of
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                            "days": {"type": "integer", "minimum": 1,
+                                                     "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
+        "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url(llama_dir):
+    config = ServerConfig(served_model_name="tiny", enable_auto_tool_choice=True,
+                          tool_call_parser="hermes")
+    with serving(tiny_app(llama_dir, config)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def closing_bias(llama_dir) -> dict[str, float]:
+    """The random model is nudged to close its strings and the `required` array (which may
+    hold any number of calls) instead of writing on until max_tokens."""
+    from aserve.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(llama_dir)
+    return {str(tokenizer.token_to_id(c)): 4.0 for c in ('"', "]")}
+
+
+def assert_valid_calls(calls, names=SCHEMAS) -> None:
+    assert calls
+    for call in calls:
+        assert call.id and call.type == "function" and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def streamed_calls(stream) -> tuple[dict[int, dict], str | None]:
+    """Tool-call deltas joined per index (id, name, concatenated arguments), and the finish
+    reason of the stream."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["name"] = delta.function.name or call["name"]
+                    call["arguments"] += delta.function.arguments or ""
+    return calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}}],
+    ids=["required", "named"])
+def test_required_and_named_tool_choices_give_valid_calls_streamed_or_not(client, tool_choice,
+                                                                          closing_bias):
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                  temperature=1.0, seed=11, max_tokens=200, logit_bias=closing_bias)
+    out = client.chat.completions.create(**kwargs, n=3)
+    for choice in out.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        assert_valid_calls(choice.message.tool_calls)
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    calls, finish = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole]
+    assert all(c["id"] for c in calls.values())
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         temperature=1.0, seed=3, max_tokens=150, n=4)
+    assert all(len(c.message.tool_calls) == 1 for c in out.choices)
+
+
+HERMES_TEXT = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}</tool_call>'  # noqa: E501
+
+
+def test_auto_with_the_hermes_parser_turns_a_tool_call_block_into_calls(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="auto",
+                  temperature=1.0, seed=5, max_tokens=200,
+                  extra_body={"structured_outputs": {"regex": r"Sure\. " + HERMES_TEXT}})
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert_valid_calls(choice.message.tool_calls, ["get_weather"])
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls, finish = streamed_calls(iter(chunks))
+    assert finish == "tool_calls" and content.strip() == "Sure."
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+
+
+def test_tool_history_is_accepted_and_reaches_the_template(client, llama_dir):
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    out = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                         tool_choice="none", max_tokens=4)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    from aserve.engine.tokenizer import Tokenizer
+
+    body = ChatCompletionRequest.model_validate({"messages": history, "tools": TOOLS})
+    template = ("{{ tools[0].function.name }}|"
+                "{{ messages[1].tool_calls[0].function.arguments.city }}|"
+                "{{ messages[2].tool_call_id }}")
+    text = Tokenizer.from_dir(llama_dir).apply_chat_template(
+        body.template_messages(), chat_template=template, tools=body.template_tools())
+    assert text == "get_weather|Paris|call_1"
+
+
+@pytest.mark.parametrize("body, contains", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "not among the tools"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "cannot be combined"),
+])
+def test_bad_tool_requests_are_400s(url, body, contains):
+    payload = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, **body}
+    response = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
+    assert_error(response, 400, contains=contains)
+
+
+def test_auto_without_a_parser_is_a_400(llama_dir):
+    with serving(tiny_app(llama_dir)) as base:
+        response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 5})
+    assert_error(response, 400, param="tool_choice", contains="--enable-auto-tool-choice")
+
+
+RECORDED = {
+    "hermes": ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+               '{"city": "Rome", "days": 3}}\n</tool_call>\n<tool_call>\n{"name": "get_time", '
+               '"arguments": {"zone": "CET"}}\n</tool_call>',
+               "Let me check.", [("get_weather", {"city": "Rome", "days": 3}),
+                                 ("get_time", {"zone": "CET"})]),
+    "llama3_json": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", '
+                    '"days": 1}}; {"name": "get_time", "parameters": {"zone": "UTC"}}',
+                    "", [("get_weather", {"city": "Oslo", "days": 1}),
+                         ("get_time", {"zone": "UTC"})]),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 7}}]', "", [("get_weather", {"city": "Paris", "days": 7})]),
+    "mistral-v11": ('[TOOL_CALLS]get_time[ARGS]{"zone": "PST"}', "",
+                    [("get_time", {"zone": "PST"})]),
+}
+
+
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_parsers_read_recorded_model_text_whole_and_in_random_splits(name):
+    text, content, expected = RECORDED[name]
+    parser = get_tool_parser(name.split("-")[0])
+    parsed = parser.parse(text, final=True)
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls_of(parsed)]
+    assert calls == expected and parsed.content.strip() == content
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), 6))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        stream = StreamingToolParser(parser)
+        got_content, got_calls = "", []
+        for i, piece in enumerate(pieces):
+            delta, new = stream.feed(piece, final=i == len(pieces) - 1)
+            got_content += delta
+            got_calls += new
+        assert got_content.strip() == content
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in got_calls] == \
+            expected
+
+
+def test_text_without_a_call_stays_content():
+    for name in ("hermes", "llama3_json", "mistral"):
+        parsed = get_tool_parser(name).parse("Just words, <tool_call>{broken", final=True)
+        assert parsed.calls == [] and parsed.content == "Just words, <tool_call>{broken"
