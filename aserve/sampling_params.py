@@ -27,6 +27,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+    # The constraint starts once the output has this text (a reasoning model's "</think>");
+    # set by the server's reasoning parser, not by users
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]

@@ -89,7 +89,9 @@ class Processor:
         if spec is not None and params.compiled_grammar is None:
             if not self.any_whitespace and not spec.disable_any_whitespace:
                 spec = replace(spec, disable_any_whitespace=True)
-            params.compiled_grammar = self.grammar_compiler().compile(spec)
+            start_after = (self.tokenizer.encode(spec.start_after, add_special_tokens=False)
+                           if spec.start_after else None)
+            params.compiled_grammar = self.grammar_compiler().compile(spec, start_after)
         return params
 
     def grammar_compiler(self) -> GrammarCompiler:

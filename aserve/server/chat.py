@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -14,6 +15,13 @@ from aserve.server.errors import ServerError
 from aserve.server.protocol import (
     ChatCompletionRequest,
     make_id,
+)
+from aserve.server.reasoning_parsers import (
+    END,
+    ReasoningParser,
+    StreamingReasoning,
+    get_reasoning_parser,
+    thinking_ended,
 )
 from aserve.server.responses import (
     ChatCompletionChoice,
@@ -72,18 +80,23 @@ async def create_chat_completion(request: Request) -> Response:
         body.check_tools(auto_tool_choice=parser is not None)
     except ValueError as e:
         raise ServerError.from_value_error(e) from e
+    reasoning = (get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser
+                 else None)
     engine = running_engine(request)
-    prompt = await process_prompt(engine, await render_chat(request, engine, body),
-                                  body.add_special_tokens)
+    text = await render_chat(request, engine, body)
+    prompt = await process_prompt(engine, text, body.add_special_tokens)
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)
+    if reasoning is not None and params.structured_outputs is not None and not thinking_ended(
+            text):  # the constraint applies to the answer, after the reasoning
+        params.structured_outputs = replace(params.structured_outputs, start_after=END)
     if body.tool_mode == "auto" and not parser.skip_special_tokens:
         params.skip_special_tokens = False  # its markers are special tokens
     request_id = make_id("chatcmpl")
     generations = await start_generations(request, engine, request_id, [prompt], [params],
                                           body.priority)
     view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer,
-                    parser if body.tool_mode == "auto" else None)
+                    parser if body.tool_mode == "auto" else None, reasoning)
     if body.stream:
         return StreamingResponse(sse_events(view.stream(generations)),
                                  media_type="text/event-stream")
@@ -95,10 +108,12 @@ class ChatView:
     """Turns engine deltas into OpenAI's chat completion objects for one HTTP request."""
 
     def __init__(self, body: ChatCompletionRequest, model: str, request_id: str,
-                 tokenizer, tool_parser: ToolParser | None = None) -> None:
+                 tokenizer, tool_parser: ToolParser | None = None,
+                 reasoning: ReasoningParser | None = None) -> None:
         self.body, self.model, self.request_id = body, model, request_id
         self.tokenizer = tokenizer
         self.tools = ReplyTools(body, tool_parser)
+        self.reasoning = reasoning
         self.n = body.n or 1
         last = body.messages[-1]
         # `echo`: the reply continues the last message when that is the assistant's own.
@@ -127,10 +142,15 @@ class ChatView:
                 reasons[k] = (delta.finish_reason, delta.stop_reason)
         choices = []
         for k in range(self.n):
+            thought = None
+            if self.reasoning is not None:
+                parsed = self.reasoning.parse(texts[k], final=True)
+                thought, texts[k] = parsed.reasoning or None, parsed.content
             content, calls = self.tools.split(texts[k], reasons[k][0])
             finish = "tool_calls" if calls and reasons[k][0] == "stop" else reasons[k][0]
             choices.append(ChatCompletionChoice(
-                index=k, message=ChatResponseMessage(content=content, tool_calls=calls),
+                index=k, message=ChatResponseMessage(content=content, tool_calls=calls,
+                                                     reasoning_content=thought),
                 logprobs=self.logprobs_of(ids[k], logprobs[k]), finish_reason=finish,
                 stop_reason=reasons[k][1]))
         prompt_logprobs = (outputs[0].prompt_logprobs
@@ -148,6 +168,8 @@ class ChatView:
             yield chat_role_chunk(self.request_id, self.model, created, k)
         echoed: set[int] = set()
         streams = [self.tools.stream() for _ in range(self.n)]
+        thinking = [StreamingReasoning(self.reasoning) if self.reasoning else None
+                    for _ in range(self.n)]
         async for _, output in merged_outputs(generations):
             for delta in output.outputs:
                 text = delta.text
@@ -157,12 +179,17 @@ class ChatView:
                 num_generated += len(delta.token_ids)
                 usage = (UsageInfo.of(num_prompt, num_generated)
                          if self.body.continuous_usage_stats else None)
+                thought = None
+                if thinking[delta.index] is not None:
+                    thought, text = thinking[delta.index].feed(
+                        text, final=delta.finish_reason is not None)
                 content, calls = streams[delta.index].feed(text, delta.finish_reason)
                 finish = delta.finish_reason
                 if finish == "stop" and streams[delta.index].has_calls:
                     finish = "tool_calls"
                 choice = ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls),
+                    index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls,
+                                                          reasoning_content=thought or None),
                     logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
                     finish_reason=finish, stop_reason=delta.stop_reason)
                 yield ChatCompletionStreamResponse(

@@ -32,6 +32,7 @@ import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs
 from aserve.sampling_params import SamplingParams
+from aserve.server.reasoning_parsers import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # the server side imports torch: load it only once arguments are valid
@@ -179,6 +180,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool-call format: hermes (Qwen2.5/3, Hermes), "
                             "llama3_json (Llama 3.x), mistral")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a reasoning model's <think>...</think> into "
+                            "message.reasoning_content: deepseek_r1, qwen3")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
 
@@ -224,7 +228,8 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
                         max_waiting_requests=ns.max_waiting_requests,
                         request_timeout=ns.request_timeout,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
-                        tool_call_parser=ns.tool_call_parser)
+                        tool_call_parser=ns.tool_call_parser,
+                        reasoning_parser=ns.reasoning_parser)
 
 
 # ---------------------------------------------------------------------------------- the model

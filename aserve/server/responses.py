@@ -89,6 +89,7 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the <think> part
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -115,6 +116,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     # [{index, id?, type?, function: {name?, arguments?}}]: a call's first chunk has its id and
     # name, the later ones pieces of its arguments
     tool_calls: list[dict[str, Any]] | None = None

@@ -38,8 +38,10 @@ class GrammarCompiler:
                                                 eos_token=list(stop_token_ids) or None)
         self._cache: dict[str, str] = {}
 
-    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The checked grammar of `spec`; ValueError naming the field for a bad constraint."""
+    def compile(self, spec: StructuredOutputsParams,
+                start_after_ids: list[int] | None = None) -> CompiledGrammar:
+        """The checked grammar of `spec`; ValueError naming the field for a bad constraint.
+        `start_after_ids`: the tokens after which it applies (free generation until then)."""
         import llguidance
 
         kind = spec.kind
@@ -52,7 +54,7 @@ class GrammarCompiler:
                 raise ValueError(f"structured_outputs.{kind} could not be compiled: "
                                  f"{_first_line(error)}")
             self._cache[key] = grammar
-        return CompiledGrammar(self.tokenizer, self._cache[key])
+        return CompiledGrammar(self.tokenizer, self._cache[key], start_after_ids or [])
 
     def _grammar(self, spec: StructuredOutputsParams, kind: str) -> str:
         import llguidance
@@ -80,10 +82,12 @@ class GrammarCompiler:
 
 
 class CompiledGrammar:
-    """A checked grammar and the tokenizer it is for: what a request's matcher starts from."""
+    """A checked grammar and the tokenizer it is for: what a request's matcher starts from;
+    `start_after_ids` (possibly empty): the tokens after which the grammar applies."""
 
-    def __init__(self, tokenizer: Any, grammar: str) -> None:
+    def __init__(self, tokenizer: Any, grammar: str, start_after_ids: list[int]) -> None:
         self.tokenizer, self.grammar = tokenizer, grammar
+        self.start_after_ids = list(start_after_ids)
 
 
 def _structural_tag(value: str | dict[str, Any]) -> str:
@@ -138,11 +142,18 @@ class GrammarMatcher:
 
         self._matcher = llguidance.LLMatcher(compiled.tokenizer, compiled.grammar)
         self._stop_token_ids = list(compiled.tokenizer.eos_tokens)
+        self._start_after = compiled.start_after_ids  # free until these tokens (reasoning)
+        self._waiting = bool(self._start_after)
+        self._tail: list[int] = []
         for token_id in token_ids:
             self.accept_token(token_id)
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by `token_id`; False if the grammar does not allow it (or has ended)."""
+        if self._waiting:
+            self._tail = (self._tail + [token_id])[-len(self._start_after):]
+            self._waiting = self._tail != self._start_after
+            return True
         if self._matcher.is_stopped():
             return False
         return self._matcher.consume_token(token_id)
@@ -150,7 +161,10 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of `bitmask` (int32, CPU) := the tokens allowed next. A grammar that has
         ended (its text complete, nothing may follow) allows only the stop tokens: the request
-        ends there with EOS."""
+        ends there with EOS. Before its start (a reasoning model still thinking) the row stays
+        as it is: every token allowed."""
+        if self._waiting:
+            return
         if self._matcher.is_stopped():
             bitmask[row] = 0
             for token_id in self._stop_token_ids:
