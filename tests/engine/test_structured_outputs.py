@@ -125,3 +125,27 @@ def test_a_bad_constraint_is_refused_before_the_engine(llm, spec, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=spec))
     assert not llm.engine_core.has_unfinished_requests()
+
+
+def test_a_structural_tag_compiles_and_a_bad_one_is_refused(llm):
+    """Free text in which the trigger opens a schema-constrained segment (vLLM's shape)."""
+    tag = {"type": "structural_tag", "triggers": ["<call="],
+           "structures": [{"begin": "<call=weather>", "schema": SCHEMA, "end": "</call>"}]}
+    out = llm.generate(PROMPTS[:1], constrained(StructuredOutputsParams(structural_tag=tag),
+                                                max_tokens=8))[0].outputs[0]
+    assert len(out.token_ids) <= 8
+    from aserve.structured_output import GrammarMatcher, allocate_token_bitmask
+
+    compiled = llm.processor.grammar_compiler().compile(StructuredOutputsParams(
+        structural_tag=tag))
+    matcher = GrammarMatcher(compiled, llm.tokenizer.encode("hi <call=weather>",
+                                                            add_special_tokens=False))
+    bitmask = allocate_token_bitmask(1, llm.model_info.vocab_size)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = [t for t in range(llm.model_info.vocab_size)
+               if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed and all(llm.tokenizer.decode([t]).lstrip().startswith("{") or
+                           not llm.tokenizer.decode([t]).strip() for t in allowed)
+    with pytest.raises(ValueError, match="structured_outputs.structural_tag needs"):
+        llm.generate(PROMPTS[:1], constrained(StructuredOutputsParams(
+            structural_tag={"structures": []})))
