@@ -1,8 +1,9 @@
 """The OpenAI wire protocol: request models of `/v1/completions`, `/v1/chat/completions`,
 `/tokenize` and `/detokenize` (responses are in `responses.py`).
 
-Requests are checked here — types (strictly: `"ten"` is not a number), ranges, features we do not
-support, and the size limits below that bound what one request may ask of the server (beyond
+Requests are checked here — types (strictly: `"ten"` is not a number, but `5.0` is the integer 5,
+as JSON Schema and so `/openapi.json` say), ranges, features we do not support, and the size
+limits below that bound what one request may ask of the server (beyond
 `max_request_body_bytes`) — so a route gets either a well-formed request or a
 `pydantic.ValidationError` to answer with 400 naming the field; `to_sampling_params` then maps
 one onto `SamplingParams`. Unknown fields are ignored, as OpenAI's SDK users expect of
@@ -20,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -43,14 +45,30 @@ MAX_TOKEN_ID_DIGITS = 19  # a logit_bias key; anything longer is out of vocabula
 MAX_CHAT_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # text parts in one chat message
 
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-TokenId = Annotated[int, Field(ge=0)]
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+def _is_whole_float(value: Any) -> bool:
+    return type(value) is float and value.is_integer()  # False for inf and nan
+
+
+def _whole_number_to_int(value: Any) -> Any:
+    """`5.0` → 5: JSON Schema's integers include whole numbers written with a fraction or an
+    exponent (`1e3`). Anything else is left for strict validation to judge: `5.5`, `true` and
+    `"5"` are still refused. Bounds apply to the int, so `1e20` is out of an Int64's range."""
+    return int(value) if _is_whole_float(value) else value
+
+
+# Every int field of a request ends its `Annotated` with `WholeNumber`: last, so that it runs
+# first and the bounds before it stay on the int schema (`"minimum"` in /openapi.json; put
+# first, pydantic would write its own `"ge"` there instead).
+WholeNumber = BeforeValidator(_whole_number_to_int)
+PositiveInt = Annotated[int, Field(ge=1), WholeNumber]
+NonNegativeInt = Annotated[int, Field(ge=0), WholeNumber]
+TokenId = Annotated[int, Field(ge=0), WholeNumber]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), WholeNumber]
 Temperature = Annotated[float, Field(ge=0.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WholeNumber]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 # Empty stop strings are refused by `SamplingParams`; the schema says so too.
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS, json_schema_extra={"minLength": 1})]
@@ -79,7 +97,11 @@ def _all_of_type(values: list, kind: type) -> bool:
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and _all_of_type(value, int) and min(value, default=0) >= 0
+    """Non-negative ints (or whole floats, which `TokenId` makes ints), before validation."""
+    if not isinstance(value, list):
+        return False
+    ints = _all_of_type(value, int) or all(type(v) is int or _is_whole_float(v) for v in value)
+    return ints and min(value, default=0) >= 0
 
 
 def _is_single_prompt(prompt: Any) -> bool:
@@ -132,7 +154,7 @@ class _GenerationRequest(_Request, StructuredOutputFields):
     structured-output ones in `structured.py`)."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), WholeNumber] | None = 1
     temperature: Temperature | None = 1.0
     top_p: TopP | None = 1.0
     stream: bool | None = False
@@ -146,7 +168,7 @@ class _GenerationRequest(_Request, StructuredOutputFields):
     )] | None = None
     seed: Int64 | None = None
     user: str | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), WholeNumber] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     ignore_eos: bool = False

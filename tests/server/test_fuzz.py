@@ -242,11 +242,13 @@ def objects(openapi: dict, schema: dict) -> st.SearchStrategy[dict]:
 
 def _integers(openapi: dict, schema: dict) -> st.SearchStrategy:
     """Any integer in range, or (as often) one of the smallest few: token ids in the tiny
-    vocabulary, max_tokens within the context."""
+    vocabulary, max_tokens within the context; each as often written as a float (`5.0`), which
+    JSON Schema counts as an integer too."""
     low, high = schema.get("minimum"), schema.get("maximum")
     start = -4 if low is None else low
     end = start + 40 if high is None else min(high, start + 40)
-    return st.integers(start, end) | st.integers(low, high)
+    integers = st.integers(start, end) | st.integers(low, high)
+    return integers | integers.filter(lambda i: abs(i) <= 2**53).map(float)
 
 
 def _numbers(openapi: dict, schema: dict) -> st.SearchStrategy:
