@@ -58,3 +58,56 @@ def greedy(num_new: int = NUM_NEW, **extra) -> SamplingParams:
 def generate_ids(llm: LLM, prompts: list[list[int]], num_new: int = NUM_NEW) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(num_new))
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def _check_default(ref: Reference) -> None:
+    assert generate_ids(LLM(ref.model_dir, dtype="float32"), ref.prompts) == ref.outputs
+
+
+def _check_chunked_prefill_16(ref: Reference) -> None:
+    llm = LLM(ref.model_dir, dtype="float32", max_num_batched_tokens=16)
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+
+
+def _check_preemption(ref: Reference) -> None:
+    """A cache two blocks above what one maximal request holds at once (over every KV cache
+    group): the requests cannot all run."""
+    from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
+    from aserve.models.loader import read_arch_config
+
+    groups = make_kv_cache_groups(read_arch_config(ref.model_dir).layer_windows, 16)
+    num_blocks = blocks_per_request(groups, 128, 16) + 2 + 1  # + the null block
+    llm = LLM(ref.model_dir, dtype="float32", max_model_len=128, num_kv_blocks=num_blocks,
+              block_size=16, max_num_batched_tokens=16)
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+    assert llm.stats().num_preemptions > 0
+
+
+def _check_one_sequence(ref: Reference) -> None:
+    llm = LLM(ref.model_dir, dtype="float32", max_num_seqs=1)
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+
+
+def _check_no_prefix_cache(ref: Reference) -> None:
+    llm = LLM(ref.model_dir, dtype="float32", enable_prefix_caching=False,
+              max_num_batched_tokens=24, async_scheduling=False)
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+
+
+def _check_prefix_cache_hits(ref: Reference) -> None:
+    llm = LLM(ref.model_dir, dtype="float32", block_size=4)
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+    hits_before = llm.stats().prefix_cache_hits
+    assert generate_ids(llm, ref.prompts) == ref.outputs
+    assert llm.stats().prefix_cache_hits > hits_before
+
+
+# name -> a check that aserve's greedy run of `ref` under that schedule is HF's
+SCHEDULE_CHECKS = {
+    "default": _check_default,
+    "chunked_prefill_16": _check_chunked_prefill_16,
+    "preemption": _check_preemption,
+    "one_sequence": _check_one_sequence,
+    "no_prefix_cache": _check_no_prefix_cache,
+    "prefix_cache_hits": _check_prefix_cache_hits,
+}

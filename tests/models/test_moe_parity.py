@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import pytest
 from helpers.hf_models import MOE_CASES, hf_greedy, load_hf_model
-from helpers.parity import Reference, generate_ids, hf_reference, hf_variant
+from helpers.parity import SCHEDULE_CHECKS, Reference, generate_ids, hf_reference, hf_variant
 
 from aserve import LLM
-from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
 from aserve.models.loader import read_arch_config
 
 
@@ -55,42 +54,9 @@ def test_gpt_oss_attention_sinks_change_hf_output(moe_dir_factory):
     assert sum(a != b for a, b in zip(changed, ref.outputs, strict=True)) >= 2
 
 
-def test_greedy_matches_hf(reference):
-    llm = LLM(reference.model_dir, dtype="float32")
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_with_chunked_prefill_budget_16(reference):
-    llm = LLM(reference.model_dir, dtype="float32", max_num_batched_tokens=16)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_under_preemption(reference):
-    groups = make_kv_cache_groups(read_arch_config(reference.model_dir).layer_windows, 16)
-    num_blocks = blocks_per_request(groups, 128, 16) + 2 + 1  # + the null block
-    llm = LLM(reference.model_dir, dtype="float32", max_model_len=128, num_kv_blocks=num_blocks,
-              block_size=16, max_num_batched_tokens=16)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    assert llm.stats().num_preemptions > 0
-
-
-def test_greedy_matches_hf_one_sequence_at_a_time(reference):
-    llm = LLM(reference.model_dir, dtype="float32", max_num_seqs=1)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_without_prefix_caching(reference):
-    llm = LLM(reference.model_dir, dtype="float32", enable_prefix_caching=False,
-              max_num_batched_tokens=24, async_scheduling=False)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_with_prefix_cache_hits(reference):
-    llm = LLM(reference.model_dir, dtype="float32", block_size=4)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    hits_before = llm.stats().prefix_cache_hits
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    assert llm.stats().prefix_cache_hits > hits_before
+@pytest.mark.parametrize("schedule", list(SCHEDULE_CHECKS))
+def test_greedy_matches_hf_under_any_schedule(reference, schedule):
+    SCHEDULE_CHECKS[schedule](reference)
 
 
 PARALLEL = {

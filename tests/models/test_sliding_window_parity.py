@@ -18,6 +18,7 @@ from helpers.hf_models import SLIDING_CASES, hf_greedy, load_hf_model
 from helpers.parity import (
     NUM_NEW,
     PROMPT_LENS,
+    SCHEDULE_CHECKS,
     Reference,
     generate_ids,
     greedy,
@@ -26,8 +27,6 @@ from helpers.parity import (
 )
 
 from aserve import LLM
-from aserve.core.kv_cache_utils import blocks_per_request, make_kv_cache_groups
-from aserve.models.loader import read_arch_config
 
 
 @pytest.fixture(scope="module", params=list(SLIDING_CASES))
@@ -42,44 +41,9 @@ def test_the_window_changes_hf_greedy_output_which_is_varied(reference):
     assert all(a != b for a, b in zip(unwindowed, reference.outputs, strict=True))
 
 
-def test_greedy_matches_hf(reference):
-    llm = LLM(reference.model_dir, dtype="float32")
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_with_chunked_prefill_budget_16(reference):
-    llm = LLM(reference.model_dir, dtype="float32", max_num_batched_tokens=16)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_under_preemption(reference):
-    """A cache two blocks above what one maximal request holds at once (over every group):
-    the three requests cannot all run."""
-    groups = make_kv_cache_groups(read_arch_config(reference.model_dir).layer_windows, 16)
-    num_blocks = blocks_per_request(groups, 128, 16) + 2 + 1  # + the null block
-    llm = LLM(reference.model_dir, dtype="float32", max_model_len=128, num_kv_blocks=num_blocks,
-              block_size=16, max_num_batched_tokens=16)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    assert llm.stats().num_preemptions > 0
-
-
-def test_greedy_matches_hf_one_sequence_at_a_time(reference):
-    llm = LLM(reference.model_dir, dtype="float32", max_num_seqs=1)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_without_prefix_caching(reference):
-    llm = LLM(reference.model_dir, dtype="float32", enable_prefix_caching=False,
-              max_num_batched_tokens=24, async_scheduling=False)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-
-
-def test_greedy_matches_hf_with_prefix_cache_hits(reference):
-    llm = LLM(reference.model_dir, dtype="float32", block_size=4)
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    hits_before = llm.stats().prefix_cache_hits
-    assert generate_ids(llm, reference.prompts) == reference.outputs
-    assert llm.stats().prefix_cache_hits > hits_before
+@pytest.mark.parametrize("schedule", list(SCHEDULE_CHECKS))
+def test_greedy_matches_hf_under_any_schedule(reference, schedule):
+    SCHEDULE_CHECKS[schedule](reference)
 
 
 @pytest.mark.spawns
