@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from compare import last_json_line, loadavg, machine, peer_env, rotated  # noqa: E402
-from sliding_window import error_line, write_tokenizer  # noqa: E402
+from sliding_window import error_line, init_bf16, save_bf16, write_tokenizer  # noqa: E402
 
 ASERVE_ENGINES = {  # name -> throughput.py flags
     "aserve": [],
@@ -116,26 +116,12 @@ def make_model(args: argparse.Namespace, out: Path) -> dict:
     config = MixtralConfig(**config_kwargs(args), initializer_range=INIT_STD * scale,
                            rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None,
                            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    torch.manual_seed(args.seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # init in bf16: half the memory and time
-    try:
-        model = MixtralForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = init_bf16(MixtralForCausalLM, config, args.seed)
     with torch.no_grad():  # norm weights near one, as tests/helpers/hf_models.py
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
-    model.config.dtype = torch.bfloat16
-    model.save_pretrained(out, safe_serialization=True)  # per-expert (the original) layout
-    gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    num_params = sum(p.numel() for p in model.parameters())
-    log(f"model: {num_params / 1e6:.1f} M parameters in {out} "
-        f"({time.perf_counter() - t0:.1f} s)")
-    return {"num_params": num_params, "tokenizer_vocab": vocab,
-            "build_s": round(time.perf_counter() - t0, 1)}
+    return save_bf16(model, out, vocab, t0)  # per-expert (the original) layout
 
 
 def model_shape(model_dir: Path) -> dict:

@@ -111,19 +111,37 @@ def make_model(args: argparse.Namespace, out: Path) -> dict:
         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
         initializer_range=INIT_STD * scale, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
         pad_token_id=PAD_ID)
-    torch.manual_seed(args.seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # init in bf16: half the memory and time
-    try:
-        model = Gemma2ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = init_bf16(Gemma2ForCausalLM, config, args.seed)
     with torch.no_grad():  # as tests/helpers/hf_models.py: varied greedy runs, peaked logits
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(0.1 * torch.randn_like(param))
         model.model.embed_tokens.weight.normal_(0.0, GEMMA_EMBED_STD * scale)
         model.model.norm.weight.add_(GEMMA_FINAL_NORM_OFFSET)
+    return save_bf16(model, out, vocab, t0)
+
+
+def init_bf16(model_cls, config, seed: int):
+    """`model_cls(config)` with random weights drawn under `seed`, in bf16 (half the memory and
+    time of float32), eval mode."""
+    import torch
+
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return model_cls(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def save_bf16(model, out: Path, vocab: int, t0: float) -> dict:
+    """Save `model` (bf16, the checkpoint's own layout) and the tests' generation config to
+    `out`; what was built, for the benchmark's JSON."""
+    import torch
+
+    from tests.helpers.hf_models import BOS_ID, EOS_ID, PAD_ID
+
     model.config.dtype = torch.bfloat16
     model.save_pretrained(out, safe_serialization=True)
     gen = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}

@@ -30,10 +30,8 @@ LocalExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 def expert_owners(num_experts: int, device: torch.device) -> torch.Tensor:
     """[num_experts] int64: the EP rank holding each expert."""
-    owners = torch.empty(num_experts, dtype=torch.int64)
-    for rank in range(get_ep_size()):
-        owners[expert_range(num_experts, rank).start:expert_range(num_experts, rank).stop] = rank
-    return owners.to(device)
+    owners = [rank for rank in range(get_ep_size()) for _ in expert_range(num_experts, rank)]
+    return torch.tensor(owners, dtype=torch.int64, device=device)
 
 
 def _exchange(tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]

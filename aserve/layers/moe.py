@@ -76,8 +76,7 @@ class FusedMoE(PreparedLayer):
     [T, H], through the bound ops' `fused_moe` (prepared once after loading, `prepare`).
 
     `forward` returns this rank's PARTIAL sum under the all-reduce combine (the block adds its
-    other partial sums and all-reduces them once, `output_is_partial`), the full output under
-    all-to-all.
+    other partial sums and all-reduces them once), the full output under `all_to_all`.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
@@ -88,6 +87,8 @@ class FusedMoE(PreparedLayer):
         self.activation, self.alpha, self.limit = activation, alpha, limit
         self.interleaved_checkpoint = interleaved_checkpoint  # gpt-oss' fused layout
         self.ep_size = get_ep_size()
+        # tokens travel to their experts' ranks and back (set before the model is built)
+        self.all_to_all = self.ep_size > 1 and get_moe_combine() == "all-to-all"
         self.tp_rank, self.tp_size = (0, 1) if self.ep_size > 1 else (get_tp_rank(),
                                                                       get_tp_size())
         if intermediate_size % self.tp_size:
@@ -189,7 +190,7 @@ class FusedMoE(PreparedLayer):
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if self._run is None:
             self.prepare()
-        if self.ep_size > 1 and get_moe_combine() == "all-to-all":
+        if self.all_to_all:
             return self._all_to_all(x, topk_weights, topk_ids)
         return self._run(x, topk_weights, topk_ids)  # [T, H], partial
 
@@ -205,10 +206,6 @@ class FusedMoE(PreparedLayer):
         out = all_to_all_moe(x[mine], topk_weights[mine], topk_ids[mine], self._owners,
                              self._run)
         return all_gather_rows(out, bounds)
-
-    @property
-    def output_is_partial(self) -> bool:
-        return get_moe_combine() != "all-to-all" or self.ep_size == 1
 
 
 def all_gather_rows(rows: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -262,6 +259,6 @@ class SparseMoeBlock(OpsLayer):
         shared = None
         if self.shared_expert is not None:
             shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # partial
-        if not self.experts.output_is_partial:
+        if self.experts.all_to_all:
             return out if shared is None else out + tp_all_reduce(shared)
         return tp_all_reduce(out if shared is None else out + shared)

@@ -228,7 +228,7 @@ def _attention_biases(arch: str, cfg: dict[str, Any]) -> tuple[bool, bool]:
     if arch == "Qwen2ForCausalLM":
         return True, False
     if arch == "Qwen2MoeForCausalLM":  # its own key, o_proj never biased
-        return bool(cfg.get("qkv_bias", True)), False
+        return bool(cfg.get("qkv_bias")), False
     bias = bool(cfg.get("attention_bias", False))
     return bias, bias
 

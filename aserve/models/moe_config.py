@@ -25,8 +25,7 @@ _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # transformers' default expert counts, for a config.json that names none
 _DEFAULT_NUM_EXPERTS = {"MixtralForCausalLM": 8, "Qwen2MoeForCausalLM": 60,
                         "Qwen3MoeForCausalLM": 128, "GptOssForCausalLM": 128}
-_MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-              "GptOssForCausalLM")
+_MOE_ARCHS = tuple(_DEFAULT_NUM_EXPERTS)
 
 
 def moe_config(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:

@@ -20,7 +20,6 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
@@ -30,7 +29,7 @@ from pydantic import (
 )
 
 from aserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from aserve.server.structured import StructuredOutputFields
+from aserve.server.structured import StrictModel, StructuredOutputFields
 from aserve.server.tools import ToolCall, ToolFields, template_tool_calls
 
 # Limits on hostile or careless requests; each violation is a 400 naming the field.
@@ -140,8 +139,7 @@ def _check_prompt_shape(value: Any) -> None:
 # Requests
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+_Request = StrictModel
 
 
 class StreamOptions(_Request):
@@ -149,7 +147,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False
 
 
-class _GenerationRequest(_Request, StructuredOutputFields):
+class _GenerationRequest(StructuredOutputFields):
     """The sampling fields completions and chat share (OpenAI's, then vLLM's extras; the
     structured-output ones in `structured.py`)."""
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aserve.server.tool_parsers import held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -22,13 +24,6 @@ START, END = "<think>", "</think>"
 class ParsedReasoning:
     reasoning: str
     content: str
-
-
-def _held_back(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -41,7 +36,7 @@ class ReasoningParser:
         end = body.find(END)
         if end >= 0:
             return ParsedReasoning(body[:end], body[end + len(END):])
-        keep = len(body) if final else len(body) - _held_back(body, END)
+        keep = len(body) if final else len(body) - held_back(body, END)
         return ParsedReasoning(body[:keep], "")
 
 

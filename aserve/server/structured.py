@@ -22,13 +22,18 @@ from aserve.sampling_params import StructuredOutputsParams
 JsonSchema = dict[str, Any] | bool
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """The base of every request model: types as JSON Schema states them (no coercion but the
+    protocol's own), unknown fields ignored (OpenAI adds new ones often), no inf / nan."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class JsonSchemaFormat(_Strict):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
-                              populate_by_name=True)
+_BY_NAME = ConfigDict(**StrictModel.model_config, populate_by_name=True)  # aliased fields
+
+
+class JsonSchemaFormat(StrictModel):
+    model_config = _BY_NAME
 
     name: str = "response"
     description: str | None = None
@@ -36,7 +41,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -48,7 +53,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class StructuredOutputsRequest(_Strict):
+class StructuredOutputsRequest(StrictModel):
     """vLLM's `structured_outputs` request field."""
 
     json_: str | JsonSchema | None = Field(default=None, alias="json")
@@ -59,11 +64,10 @@ class StructuredOutputsRequest(_Strict):
     structural_tag: str | dict[str, Any] | None = None
     disable_any_whitespace: bool = False
 
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False,
-                              populate_by_name=True)
+    model_config = _BY_NAME
 
 
-class StructuredOutputFields(_Strict):
+class StructuredOutputFields(StrictModel):
     """Mixed into the completions and chat requests."""
 
     response_format: ResponseFormat | None = None

@@ -15,7 +15,8 @@ but does not parse stays content.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from aserve.server.tools import FunctionCall, ToolCall, make_tool_call_id
 
@@ -26,18 +27,21 @@ class ParsedTools:
     calls: list[tuple[str, str]]  # (name, arguments JSON), complete calls only
 
 
-class ToolParser:
-    """Subclasses implement `parse`; `skip_special_tokens` is False where the format's markers
-    are special tokens that decoding would drop."""
+class ToolParser(ABC):
+    """`skip_special_tokens` is False where the format's markers are special tokens that
+    decoding would drop."""
 
     skip_special_tokens = True
 
+    @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedTools:
-        raise NotImplementedError  # every registered parser defines it
+        """The content and the complete calls of `text`; not `final`: text that may still
+        become a call (a marker's first characters) is held back from the content."""
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+    stream holds back, since the next piece may complete the marker."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
@@ -60,7 +64,7 @@ class HermesToolParser(ToolParser):
             start = text.find(self.START, pos)
             if start < 0:
                 tail = text[pos:]
-                keep = len(tail) if final else len(tail) - _held_back(tail, self.START)
+                keep = len(tail) if final else len(tail) - held_back(tail, self.START)
                 content.append(tail[:keep])
                 break
             content.append(text[pos:start])
@@ -115,7 +119,7 @@ class MistralToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedTools:
         start = text.find(self.MARKER)
         if start < 0:
-            keep = len(text) if final else len(text) - _held_back(text, self.MARKER)
+            keep = len(text) if final else len(text) - held_back(text, self.MARKER)
             return ParsedTools(text[:keep], [])
         content, body = text[:start], text[start + len(self.MARKER):]
         if not final:
@@ -170,7 +174,6 @@ class StreamingToolParser:
     text: str = ""
     content_sent: int = 0
     calls_sent: int = 0
-    calls: list[ToolCall] = field(default_factory=list)
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.text += delta
@@ -179,7 +182,6 @@ class StreamingToolParser:
         self.content_sent = max(self.content_sent, len(parsed.content))
         new = tool_calls_of(ParsedTools("", parsed.calls[self.calls_sent:]))
         self.calls_sent = len(parsed.calls)
-        self.calls += new
         return content, new
 
 
@@ -232,9 +234,9 @@ class ChoiceToolStream:
         mode = self.tools.mode
         if mode == "named":
             if self.num_calls == 0:
-                self.num_calls, self.call_id = 1, make_tool_call_id()
+                self.num_calls = 1
                 name = self.tools.body.tool_choice.function.name
-                return None, [{"index": 0, "id": self.call_id, "type": "function",
+                return None, [{"index": 0, "id": make_tool_call_id(), "type": "function",
                                "function": {"name": name, "arguments": text}}]
             return None, ([{"index": 0, "function": {"arguments": text}}] if text else None)
         if mode == "required":

@@ -18,42 +18,39 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from aserve.sampling_params import StructuredOutputsParams
+from aserve.server.structured import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ChatTool(_Strict):
+class ChatTool(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"] = "function"
     function: FunctionName
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """An assistant message's tool call, in a conversation's history (or a reply)."""
 
     id: str = Field(default_factory=lambda: make_tool_call_id())
@@ -68,7 +65,7 @@ def make_tool_call_id() -> str:
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ToolFields(_Strict):
+class ToolFields(StrictModel):
     """Mixed into the chat request."""
 
     tools: list[ChatTool] | None = None
