@@ -13,10 +13,11 @@ server's re-tokenization may give a slightly different prompt length).
 
 Per request: TTFT (first token chunk), the gaps between token chunks (ITL), TPOT = (e2e - TTFT) /
 (output tokens - 1), output tokens (the final usage chunk, else the chunk count). It prints one
-JSON line; `--save-raw FILE` writes the per-request records as JSON lines. The prefix-sharing
-workload gives K long shared prefixes each followed by a unique suffix of `--input-len` tokens
-(request i uses prefix i mod K), and adds the server's prefix-cache hit rate (from `/metrics`,
-aserve's or vLLM's counter names) and TTFT of each prefix's first request vs the later ones.
+JSON line; `--save-raw FILE` writes the per-request records (timings, text, finish reason) as
+JSON lines. The prefix-sharing workload gives K long shared prefixes each followed by a unique
+suffix of `--input-len` tokens (request i uses prefix i mod K), and adds the server's
+prefix-cache hit rate (from `/metrics`, aserve's or vLLM's counter names) and TTFT of each
+prefix's first request vs the later ones.
 
 This is a client: it measures what a user sees, and imports nothing of aserve.
 """
@@ -66,6 +67,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     prefix_index: int | None = None
     first_of_prefix: bool = False
+    text: str = ""  # the completion, as streamed
+    finish_reason: str | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -132,6 +135,7 @@ async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"].get("completion_tokens", 0)
                     record.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                _add_text(chunk, record)
                 if _is_token_chunk(chunk):
                     now = time.perf_counter()
                     if record.ttft_s is None:
@@ -150,6 +154,12 @@ async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
     return record
 
 
+def _add_text(chunk: dict, record: RequestRecord) -> None:
+    for choice in chunk.get("choices") or []:
+        record.text += choice.get("text") or ""
+        record.finish_reason = choice.get("finish_reason") or record.finish_reason
+
+
 def _is_token_chunk(chunk: dict) -> bool:
     """A chunk with a choice, unless it is a finish-only one (empty text and a finish_reason):
     a token whose bytes are held back (incomplete UTF-8) still counts."""
@@ -161,9 +171,11 @@ def _is_token_chunk(chunk: dict) -> bool:
 # ---------------------------------------------------------------------------------- arrivals
 
 async def run_all(client: httpx.AsyncClient, args: argparse.Namespace, model: str,
-                  specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
+                  specs: list[RequestSpec], body_of: Callable[[int], dict] | None = None
+                  ) -> tuple[list[RequestRecord], float]:
     """Send every request (fixed concurrency, or Poisson arrivals under a concurrency cap);
-    stop at `--timeout`, counting unfinished requests as failed. Returns records and duration."""
+    stop at `--timeout`, counting unfinished requests as failed. Returns records and duration.
+    `body_of(i)`: request i's body (default: `request_body` of its prompt and `-o`)."""
     records: dict[int, RequestRecord] = {}
     t_begin = time.perf_counter()
 
@@ -173,8 +185,9 @@ async def run_all(client: httpx.AsyncClient, args: argparse.Namespace, model: st
                                prefix_index=spec.prefix_index,
                                first_of_prefix=spec.first_of_prefix)
         records[i] = record
-        await send(client, args.endpoint, request_body(model, spec.prompt, args.output_len),
-                   record)
+        body = (body_of(i) if body_of is not None
+                else request_body(model, spec.prompt, args.output_len))
+        await send(client, args.endpoint, body, record)
 
     if args.request_rate is None:
         pending = iter(range(len(specs)))

@@ -265,6 +265,8 @@ class ModelRunner:
         bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # [R, ceil(V / 32)]
         for i, j in enumerate(rows):
             states[j].grammar.fill_bitmask(bitmask, i)
+        if len(rows) == len(logits):  # every row: no index to scatter by
+            return apply_token_bitmask(logits, bitmask)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)
         return apply_token_bitmask(logits, bitmask, index)
 

@@ -170,9 +170,12 @@ class GrammarMatcher:
             for token_id in self._stop_token_ids:
                 bitmask[row, token_id // 32] |= _bit(token_id % 32)
             return
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        # llguidance writes the row through a raw pointer (llguidance.torch's wrapper of this
+        # call would import torch._dynamo, ~1.5 s on the first constrained step)
+        if not (bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
+                and bitmask.dim() == 2 and bitmask.is_contiguous()):
+            raise ValueError("a token bitmask is a contiguous int32 [rows, words] CPU tensor")
+        self._matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * bitmask.shape[1])
 
     @property
     def is_terminated(self) -> bool:
@@ -190,12 +193,42 @@ def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] with disallowed tokens at -inf (a new tensor): bitmask [len(rows), W] for
-    the rows `rows` (all rows when None). Plain torch ops, so any device runs it."""
+    the rows `rows` (all rows when None). Plain torch ops. On the CPU and CUDA it works on the
+    logits' bits with integer ops (a CPU runs a float masked_fill ~6x slower), so every value,
+    NaN and -0.0 included, comes out as `apply_token_bitmask_ref` gives it; other devices (whose
+    dtype views are not known here to work) run the reference."""
+    if logits.device.type not in ("cpu", "cuda"):
+        return apply_token_bitmask_ref(logits, bitmask, rows)
+    if rows is None:
+        return _masked(logits, bitmask)
+    out = logits.clone()
+    return out.index_copy_(0, rows, _masked(logits.index_select(0, rows), bitmask))
+
+
+def _masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] as a new tensor, -inf where bitmask [R, W] does not allow the token:
+    x ^ ((x ^ -inf) & blocked) is -inf where `blocked` has every bit set, x where it is 0."""
+    int_type = _INT_OF_SIZE[logits.element_size()]
+    mask = bitmask.to(logits.device)
+    blocked = (mask[:, :, None] >> _BITS.to(logits.device)) & 1  # [R, W, 32]: 1 allowed
+    blocked = blocked.sub_(1).view(len(mask), -1)[:, :logits.shape[-1]]  # [R, V]: 0 or -1
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype).view(int_type).item()
+    bits = logits.view(int_type)
+    out = bits ^ neg_inf
+    out &= blocked.to(int_type)
+    out ^= bits
+    return out.view(logits.dtype)
+
+
+def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor,
+                            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`apply_token_bitmask`'s reference twin: the bits unpacked to bools, a masked_fill."""
     vocab = logits.shape[-1]
     mask = bitmask.to(logits.device)
     allowed = (mask[:, :, None] >> _BITS.to(logits.device)) & 1  # [R, W, 32]
