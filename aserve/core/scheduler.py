@@ -265,8 +265,10 @@ class Scheduler:
         if (request.num_output_tokens >= request.max_tokens
                 or request.num_tokens >= self.config.max_model_len):
             request.status = RequestStatus.FINISHED_LENGTH
-        elif request.num_output_tokens < request.sampling_params.min_tokens:
-            return False
+        elif (request.num_output_tokens < request.sampling_params.min_tokens
+              and request.sampling_params.compiled_grammar is None):
+            return False  # (a constrained request samples a stop token this early only when
+            # its grammar has ended: nothing else may follow, and it ends there)
         elif token_id in request.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             params = request.sampling_params

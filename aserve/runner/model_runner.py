@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -36,9 +37,19 @@ from aserve.runner.kv_cache import allocate_kv_buffers, kv_buffer_ids, layer_pla
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
-from aserve.structured_output import allocate_token_bitmask, apply_token_bitmask
+from aserve.sampling_params import SamplingParams, SamplingType
+from aserve.structured_output import apply_token_bitmask, fill_token_bitmask, masked_argmax
 
 T = TypeVar("T")
+
+
+def _checked_after(params: SamplingParams) -> bool:
+    """Whether a constrained row may be sampled unmasked and its token checked after (see
+    `ModelRunner._check_tokens`): plain greedy, whose token is the largest logit, which stays
+    the largest of the allowed ones when allowed (no logit processor, no logprobs)."""
+    return (params.sampling_type == SamplingType.GREEDY and params.logprobs is None
+            and not params.logit_bias and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
 
 
 def _no_grad(method: Callable[..., T]) -> Callable[..., T]:
@@ -60,6 +71,18 @@ class StartedStep:
     inputs: PreparedInputs
     logits: torch.Tensor | None
     start: float
+    masks: TokenMasks | None  # the constrained rows (their bitmask filled beside the forward)
+
+
+@dataclass
+class TokenMasks:
+    """A step's constrained sampling rows (indices among its sampling rows): `ahead`, masked
+    before sampling by `bitmask` (int32 [len(ahead), ceil(vocab / 32)], filled beside the
+    forward); `checked`, sampled unmasked and their tokens checked after (`_check_tokens`)."""
+
+    ahead: list[int]
+    bitmask: Future[torch.Tensor] | None
+    checked: list[int]
 
 
 class ModelRunner:
@@ -88,6 +111,8 @@ class ModelRunner:
         self.num_kv_groups = 1
         self.graphs: DecodeGraphs | None = None
         self.publish_inputs = publish_inputs
+        self._mask_filler: ThreadPoolExecutor | None = None  # started by the first grammar
+        self.check_greedy_tokens = device.type == "cpu"  # (see `_start_masks`)
 
     @property
     def num_kv_heads(self) -> int:
@@ -180,9 +205,10 @@ class ModelRunner:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs)
+        masks = self._start_masks(states, inputs)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
-        return StartedStep(req_ids, states, inputs, logits, start)
+        return StartedStep(req_ids, states, inputs, logits, start, masks)
 
     @_no_grad
     def finish_step(self, step: StartedStep | None) -> ModelRunnerOutput:
@@ -199,7 +225,7 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         if num_sampling:
             sample_states = [states[i] for i in inputs.sample_req_indices]
-            token_ids = self._sample(sample_states, logits[:num_sampling], logprobs)
+            token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks)
             for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
                 sampled[i] = token_id
                 state.append_output_token_id(token_id)
@@ -242,8 +268,9 @@ class ModelRunner:
         return logits
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
-                logprobs: dict[str, LogprobsLists]) -> list[int]:
-        logits = self._apply_grammars(states, logits)
+                logprobs: dict[str, LogprobsLists], masks: TokenMasks | None) -> list[int]:
+        if masks is not None and masks.ahead:
+            logits = self._masked(logits, masks.bitmask.result(), masks.ahead)
         metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
                                           generator=self.generator)
         out = self.sampler(logits, metadata)
@@ -252,19 +279,70 @@ class ModelRunner:
             lists = out.logprobs.tolists(rows, [states[j].sampling_params.logprobs for j in rows])
             for j, row in zip(rows, lists):
                 logprobs[states[j].req_id] = row
-        return out.sampled_token_ids.tolist()
+        token_ids = out.sampled_token_ids.tolist()
+        if masks is not None and masks.checked:
+            self._check_tokens(states, logits, token_ids, masks.checked)
+        return token_ids
 
-    def _apply_grammars(self, states: list[CachedRequestState],
-                        logits: torch.Tensor) -> torch.Tensor:
-        """Constrained rows' disallowed tokens to -inf: each grammar fills its row of a token
-        bitmask on the host (on a GPU, while the forward still runs), one masked copy applies
-        them; without a constrained row, `logits` as they are."""
-        rows = [j for j, state in enumerate(states) if state.grammar is not None]
-        if not rows:
-            return logits
-        bitmask = allocate_token_bitmask(len(rows), self.vocab_size)  # [R, ceil(V / 32)]
-        for i, j in enumerate(rows):
-            states[j].grammar.fill_bitmask(bitmask, i)
+    # Constrained rows. vLLM fills every constrained row's mask while the forward runs and
+    # masks before sampling; so does aserve on an accelerator, and on the CPU for every row
+    # but plain greedy ones. On the CPU the fill competes with the forward for the same cores
+    # (llguidance takes 10-500 µs a row for a mask, ~2 µs to check one token), and a greedy
+    # row's token is the largest logit whether masked or not, when the grammar allows it: such
+    # a row is sampled unmasked and its token checked, and only a refused one gets a mask and
+    # the argmax of its allowed tokens. A model that follows its format is refused rarely.
+
+    def _start_masks(self, states: list[CachedRequestState],
+                     inputs: PreparedInputs) -> TokenMasks | None:
+        """The step's constrained sampling rows (None: no such row, and nothing to pay), and
+        the bitmask of the rows masked ahead, started on a thread of its own that runs beside
+        the forward (llguidance releases the GIL; the fill depends only on tokens already
+        accepted, not on the logits)."""
+        sampling = [states[i] for i in inputs.sample_req_indices]
+        constrained = [k for k, state in enumerate(sampling) if state.grammar is not None]
+        if not constrained:
+            return None
+        checked = [k for k in constrained if self.check_greedy_tokens
+                   and _checked_after(sampling[k].sampling_params)]
+        ahead = sorted(set(constrained) - set(checked))
+        bitmask = None
+        if ahead:
+            if self._mask_filler is None:
+                self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="aserve-grammar")
+            bitmask = self._mask_filler.submit(self._fill_masks, [sampling[k] for k in ahead])
+        return TokenMasks(ahead, bitmask, checked)
+
+    def _fill_masks(self, states: list[CachedRequestState]) -> torch.Tensor:
+        """The bitmask of these constrained rows; a row short of its min_tokens holds back its
+        stop tokens in it (the sampler leaves min_tokens of constrained rows to the mask)."""
+        held = [[t for t in s.sampling_params.all_stop_token_ids if 0 <= t < self.vocab_size]
+                if len(s.output_token_ids) < s.sampling_params.min_tokens else []
+                for s in states]
+        return fill_token_bitmask([s.grammar for s in states], self.vocab_size, held)
+
+    def _check_tokens(self, states: list[CachedRequestState], logits: torch.Tensor,
+                      token_ids: list[int], rows: list[int]) -> None:
+        """Greedy rows sampled unmasked: where the grammar refuses the token (or it is a stop
+        token before min_tokens), the argmax of the allowed tokens instead, in `token_ids`."""
+        refused = [k for k in rows if not self._accepts(states[k], token_ids[k])]
+        if not refused:
+            return
+        bitmask = self._fill_masks([states[k] for k in refused])
+        index = torch.tensor(refused, dtype=torch.int64)
+        for k, token_id in zip(refused, masked_argmax(logits, index, bitmask).tolist()):
+            token_ids[k] = token_id
+
+    @staticmethod
+    def _accepts(state: CachedRequestState, token_id: int) -> bool:
+        params = state.sampling_params
+        if (len(state.output_token_ids) < params.min_tokens
+                and token_id in params.all_stop_token_ids):
+            return False  # (the mask decides: held back, unless the grammar has ended)
+        return state.grammar.allows(token_id)
+
+    def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                rows: list[int]) -> torch.Tensor:
+        """`logits` with rows `rows`' disallowed tokens at -inf (one masked copy for them all)."""
         if len(rows) == len(logits):  # every row: no index to scatter by
             return apply_token_bitmask(logits, bitmask)
         index = torch.tensor(rows, dtype=torch.int64).to(self.device)

@@ -140,7 +140,8 @@ def _min_tokens_mask(states: list[CachedRequestState], vocab_size: int,
     rows, ids = [], []
     for i, state in enumerate(states):
         params = state.sampling_params
-        if len(state.output_token_ids) < params.min_tokens:
+        if len(state.output_token_ids) < params.min_tokens and state.grammar is None:
+            # (a constrained row's token bitmask holds its stop tokens back instead)
             stop_ids = [t for t in params.all_stop_token_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stop_ids))
             ids.extend(stop_ids)

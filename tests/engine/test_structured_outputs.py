@@ -149,3 +149,61 @@ def test_a_structural_tag_compiles_and_a_bad_one_is_refused(llm):
     with pytest.raises(ValueError, match="structured_outputs.structural_tag needs"):
         llm.generate(PROMPTS[:1], constrained(StructuredOutputsParams(
             structural_tag={"structures": []})))
+
+
+def test_greedy_rows_checked_after_sampling_equal_rows_masked_first(llm, monkeypatch):
+    """On the CPU a plain greedy constrained row is sampled unmasked and its token checked
+    after (`ModelRunner._check_tokens`); every other constrained row is masked first. Both
+    give the same tokens and logprobs, and the random model's tokens are refused often enough
+    that the refused path runs."""
+    from aserve.runner import model_runner
+
+    refused = []
+    masked_argmax = model_runner.masked_argmax
+    monkeypatch.setattr(model_runner, "masked_argmax",
+                        lambda logits, rows, bitmask: refused.append(len(rows))
+                        or masked_argmax(logits, rows, bitmask))
+    greedy = dict(temperature=0.0, seed=None)
+    params = [constrained(StructuredOutputsParams(json=SCHEMA), **greedy),
+              constrained(StructuredOutputsParams(regex=r"[a-f]{2,4}-\d{3}"), **greedy),
+              constrained(StructuredOutputsParams(choice=["yes", "no way"]), **greedy),
+              constrained(StructuredOutputsParams(json=SCHEMA), **greedy, logprobs=2),
+              constrained(StructuredOutputsParams(json=SCHEMA), **greedy, min_tokens=40),
+              constrained(StructuredOutputsParams(json=SCHEMA))]  # temperature 1, seeded
+    runner = llm.engine_core.executor.worker.runner
+    assert runner.check_greedy_tokens  # the CPU's default
+
+    def run() -> list:
+        return [(c.token_ids, c.logprobs) for o in llm.generate(PROMPTS * 2, params)
+                for c in o.outputs]
+
+    checked = run()
+    assert sum(refused) > 10
+    runner.check_greedy_tokens = False
+    try:
+        refused.clear()
+        assert run() == checked and not refused
+    finally:
+        runner.check_greedy_tokens = True
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_holds_stop_tokens_back_until_the_grammar_ends(llm, temperature):
+    """min_tokens keeps EOS out while the grammar allows more (`[ab]+` with EOS favoured would
+    stop at once), and yields to a grammar that has ended: a choice ends with "stop" however
+    short, instead of the request having nothing left to sample."""
+    eos = llm.tokenizer.eos_token_ids[0]
+    spec = StructuredOutputsParams(regex="[ab]+")
+    favoured = dict(temperature=temperature, max_tokens=12, logit_bias={eos: 30.0})
+    early = llm.generate(PROMPTS, constrained(spec, **favoured))
+    assert all(len(o.outputs[0].token_ids) <= 2 for o in early)
+    for out in llm.generate(PROMPTS, constrained(spec, **favoured, min_tokens=6)):
+        assert len(out.outputs[0].token_ids) >= 6
+        assert re.fullmatch("[ab]+", out.outputs[0].text), out.outputs[0].text
+    choices = ["yes", "no way"]
+    for params in (constrained(StructuredOutputsParams(choice=choices), min_tokens=30,
+                               temperature=temperature),
+                   constrained(StructuredOutputsParams(choice=choices), min_tokens=30,
+                               temperature=temperature, logit_bias={eos: -5.0})):
+        for out in llm.generate(PROMPTS, params):
+            assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"

@@ -1,7 +1,9 @@
 """The token bitmask ops of aserve/structured_output/grammar.py: `GrammarMatcher.fill_bitmask`
 writes what llguidance.torch's wrapper writes (an ended grammar: EOS only) without importing
 torch._dynamo as that wrapper does; `apply_token_bitmask` equals its reference twin bit for bit
-(every vocabulary size, row selection, dtype and special value) and leaves its input alone.
+(every vocabulary size, row selection, dtype and special value) and leaves its input alone;
+`masked_argmax` is the argmax of the masked logits; held-back stop tokens leave a mask unless
+they are all it allows.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from aserve.structured_output import (
     GrammarMatcher,
     allocate_token_bitmask,
     apply_token_bitmask,
+    fill_token_bitmask,
+    masked_argmax,
 )
 from aserve.structured_output.grammar import apply_token_bitmask_ref
 
@@ -114,3 +118,43 @@ def test_apply_token_bitmask_equals_its_reference(vocab_size, dtype):
 def bits(x: torch.Tensor) -> torch.Tensor:
     """The raw bits (NaN, -0.0 and all compare as themselves)."""
     return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 77, 512])
+def test_masked_argmax_is_the_argmax_of_the_masked_logits(vocab_size):
+    """Sparse masks (a few words) take the gather, dense ones the masked copy; both give what
+    the reference mask and an argmax give: ties to the lowest id, tokens past the vocabulary
+    never, a row allowing nothing token 0."""
+    gen = torch.Generator().manual_seed(vocab_size)
+    for density in (0.0, 0.002, 0.05, 0.5, 1.0):
+        logits = torch.randint(-3, 3, (6, vocab_size), generator=gen).float()  # many ties
+        rows = torch.randperm(6, generator=gen)[:4]
+        allowed = torch.rand(4, -(-vocab_size // 32) * 32, generator=gen) < density
+        bitmask = pack(allowed)
+        expected = apply_token_bitmask_ref(logits[rows], bitmask).argmax(dim=-1)
+        assert torch.equal(masked_argmax(logits, rows, bitmask), expected), density
+
+
+def pack(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [R, 32 W] -> the int32 bitmask [R, W] allowing those tokens."""
+    words = torch.zeros(allowed.shape[0], allowed.shape[1] // 32, dtype=torch.int64)
+    for j in range(32):
+        words |= allowed[:, j::32].long() << j
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def test_held_stop_tokens_are_blocked_unless_they_are_all_the_grammar_allows(compiler):
+    """A request short of its min_tokens: its stop tokens leave the mask while the grammar
+    allows something else ("a+" after "a": more a's); a grammar that has ended keeps them."""
+    eos = compiler.tokenizer.eos_tokens[0]
+    more = GrammarMatcher(compiler.compile(StructuredOutputsParams(regex="a+")))
+    ended = GrammarMatcher(compiler.compile(StructuredOutputsParams(choice=["a"])))
+    for matcher in (more, ended):
+        a = [t for t in range(512) if matcher.allows(t)][0]
+        assert matcher.accept_token(a)
+    free = fill_token_bitmask([more, ended], 512, [[], []])
+    held = fill_token_bitmask([more, ended], 512, [[eos], [eos]])
+    assert eos in allowed_ids(free, 0, 512) and eos not in allowed_ids(held, 0, 512)
+    assert set(allowed_ids(held, 0, 512)) == set(allowed_ids(free, 0, 512)) - {eos}
+    assert allowed_ids(held, 1, 512) == allowed_ids(free, 1, 512) == [eos]
+    assert ended.is_terminated and more.allows(eos) and not ended.allows(eos + 1)
