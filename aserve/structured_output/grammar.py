@@ -16,9 +16,7 @@ takes the tokenizer's JSON as it is, and it checks a grammar against the tokeniz
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from typing import Any
 
 import torch
@@ -218,14 +216,12 @@ def fill_token_bitmask(matchers: list[GrammarMatcher], vocab_size: int,
     blocks `held_stops[r]` (a request short of its `min_tokens`: its stop tokens), unless they
     are all its grammar allows: a grammar that has ended ends the request.
 
-    llguidance fills every row that needs it in one call, which holds no GIL from the first row
-    to the last: called beside the forward, it runs while the forward's Python runs."""
+    Row by row in the calling thread: llguidance's batch executor (one call for all rows, on a
+    thread pool) measured slower on 2 cores, in the server and offline, its pool's threads
+    competing with the forward's."""
     bitmask = allocate_token_bitmask(len(matchers), vocab_size)  # [R, ceil(V / 32)]
-    batch = [(matcher._matcher, row) for row, matcher in enumerate(matchers)
-             if not matcher._fill_without_llguidance(bitmask, row)]
-    if batch:
-        _mask_executor().unsafe_compute_mask_ptr(batch, bitmask.data_ptr(), 4 * bitmask.shape[1],
-                                                 len(matchers))
+    for row, matcher in enumerate(matchers):
+        matcher.fill_bitmask(bitmask, row)
     for row, stops in enumerate(held_stops):
         if stops:
             held = bitmask[row].clone()
@@ -234,15 +230,6 @@ def fill_token_bitmask(matchers: list[GrammarMatcher], vocab_size: int,
             if held.any():
                 bitmask[row] = held
     return bitmask
-
-
-@functools.cache
-def _mask_executor() -> Any:
-    """llguidance's batch executor, on a quarter of the cores (one on a 2-core machine, where
-    the forward needs the others)."""
-    import llguidance
-
-    return llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 1) // 4)))
 
 
 def _check_bitmask(bitmask: torch.Tensor) -> None:
@@ -298,21 +285,33 @@ def _masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
 def masked_argmax(logits: torch.Tensor, rows: torch.Tensor,
                   bitmask: torch.Tensor) -> torch.Tensor:
     """argmax over each row's allowed tokens (ties -> the lowest id, as `KernelOps.argmax`):
-    for logits rows `rows` [R], the allowed tokens of bitmask [R, W]; int64 [R]. It reads only
-    the logits of words that allow a token, so a mask allowing a handful of tokens (a JSON
-    brace, a key) costs microseconds, not a pass over the vocabulary; masks allowing much of
-    it take the masked copy and a plain argmax instead. A row allowing nothing gives token 0, as
-    an argmax over -inf does."""
-    vocab = logits.shape[-1]
+    for logits rows `rows` [R], the allowed tokens of bitmask [R, W]; int64 [R]. A row whose
+    mask allows a handful of tokens (a JSON brace, a key) reads only the logits of the words
+    that allow one, microseconds instead of a pass over the vocabulary; a row allowing much of
+    it takes the masked copy and a plain argmax. A row allowing nothing gives token 0, as an
+    argmax over -inf does."""
     device = logits.device
-    mask = bitmask.to(device)
+    mask, rows = bitmask.to(device), rows.to(device)
     words = mask != 0
-    if 8 * int(words.sum()) > words.numel():  # dense: one pass over the rows is cheaper
-        return _masked(logits.index_select(0, rows.to(device)), mask).argmax(dim=-1)
-    row, word = words.nonzero(as_tuple=True)  # [M]: the words allowing a token
+    dense = 8 * words.sum(dim=1) > words.shape[1]  # [R]
+    token = torch.empty(len(mask), dtype=torch.int64, device=device)
+    for part, argmax in ((dense, _dense_argmax), (~dense, _sparse_argmax)):
+        index = part.nonzero().flatten()
+        if len(index):
+            token[index] = argmax(logits, rows[index], mask[index])
+    return token
+
+
+def _dense_argmax(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _masked(logits.index_select(0, rows), mask).argmax(dim=-1)
+
+
+def _sparse_argmax(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    vocab, device = logits.shape[-1], logits.device
+    row, word = (mask != 0).nonzero(as_tuple=True)  # [M]: the words allowing a token
     tokens = word[:, None] * 32 + _BITS.to(device)  # [M, 32]
     allowed = ((mask[row, word][:, None] >> _BITS.to(device)) & 1).bool() & (tokens < vocab)
-    values = logits[rows.to(device)[row][:, None], tokens.clamp(max=vocab - 1)]  # [M, 32]
+    values = logits[rows[row][:, None], tokens.clamp(max=vocab - 1)]  # [M, 32]
     values = values.masked_fill(~allowed, float("-inf"))
     row = row[:, None].expand_as(tokens).reshape(-1)
     best = torch.full((len(mask),), float("-inf"), dtype=values.dtype, device=device)
