@@ -2,6 +2,7 @@
 
     python examples/mount_in_fastapi.py --model /path/to/model --port 8001
     curl localhost:8001/                                   # the parent's own route
+    # a browser on localhost:8001/llm/ gets the playground; /llm/dashboard the dashboard
     curl localhost:8001/llm/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "llm", "prompt": "Hello", "max_tokens": 16}'
 

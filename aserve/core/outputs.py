@@ -43,6 +43,9 @@ class SchedulerOutput:
     # In batch order: cached (running) requests first, then new ones, as the dict iterates.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # Of those, the decodes: a request's one token past its prompt (the one it sampled last).
+    # The rest are prefill (prompt chunks, recomputation after preemption); for the dashboard.
+    num_decode_tokens: int = 0
     # Requests the runner must forget before this step: finished, aborted or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)

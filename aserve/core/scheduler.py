@@ -107,6 +107,8 @@ class Scheduler:
         output = self._make_output(num_scheduled, new_block_ids, resumed_or_new, preempted)
         for req_id, num_tokens in num_scheduled.items():
             request = self.requests[req_id]
+            if num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+                output.num_decode_tokens += 1
             request.num_computed_tokens += num_tokens
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):

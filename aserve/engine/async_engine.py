@@ -36,6 +36,7 @@ from aserve.engine.messages import (
 from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
+from aserve.engine.step_log import StepLog
 from aserve.engine.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
 
@@ -90,6 +91,7 @@ class AsyncEngine:
         self.model_info: ModelInfo | None = None
         self.processor: Processor | None = None
         self.num_kv_blocks = 0
+        self.step_log: StepLog | None = None  # the engine thread's, once it is ready
         self.dead_error: str | None = None
         self.dead = asyncio.Event()  # set once the engine has died (not on a clean shutdown)
         self._thread: threading.Thread | None = None
@@ -165,6 +167,7 @@ class AsyncEngine:
         elif isinstance(message, EngineReady):
             self.model_info = message.model_info
             self.num_kv_blocks = message.num_kv_blocks
+            self.step_log = message.step_log
             self.processor = Processor(
                 self.tokenizer, message.model_info,
                 any_whitespace=self.args.structured_outputs_any_whitespace)

@@ -37,6 +37,7 @@ from aserve.engine.messages import (
     ResetPrefixCache,
     Shutdown,
 )
+from aserve.engine.step_log import StepLog
 from aserve.executor import multiproc
 from aserve.executor.base import Executor
 from aserve.executor.factory import make_executor
@@ -93,6 +94,7 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.num_steps = 0
         self.forward_seconds = 0.0  # the model's own time, summed over steps
+        self.step_log = StepLog()  # recent steps' composition, read by the server's dashboard
         self.kv_cache_groups = groups
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
                                    args.cache_config(num_blocks, groups))
@@ -149,6 +151,10 @@ class EngineCore:
                 runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         self.num_steps += 1
         self.forward_seconds += runner_output.forward_seconds
+        num_decode = scheduler_output.num_decode_tokens
+        if scheduler_output.total_num_scheduled_tokens:
+            self.step_log.record(scheduler_output.total_num_scheduled_tokens - num_decode,
+                                 num_decode, runner_output.forward_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def stats(self) -> SchedulerStats:
@@ -202,7 +208,7 @@ def run_engine_thread(args: EngineArgs, inbox: queue.SimpleQueue[Command],
     # A rank that dies is reported from the executor's watcher thread: the frontend fails
     # in-flight requests and turns unhealthy even while this thread waits on a collective.
     core.executor.on_failure = lambda reason: publish(EngineDead(f"The engine failed: {reason}"))
-    publish(EngineReady(core.model_info, core.num_blocks))
+    publish(EngineReady(core.model_info, core.num_blocks, core.step_log))
     try:
         core.run_busy_loop(inbox, publish)
     except Exception as e:  # noqa: BLE001

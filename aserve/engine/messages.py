@@ -3,7 +3,8 @@
     event loop ──inbox: queue.SimpleQueue[Command]──► engine thread
     event loop ◄──loop.call_soon_threadsafe(EngineMessage)── engine thread
 
-The two sides share nothing else: an abort is a message, not a flag.
+The two sides share nothing else — an abort is a message, not a flag — but the `StepLog` that
+`EngineReady` hands over: the engine thread appends to it, the loop copies it, under its lock.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from aserve.config import ModelInfo
 from aserve.core.outputs import EngineCoreOutput, SchedulerStats
 from aserve.core.request import Request
+from aserve.engine.step_log import StepLog
 
 # ---------------------------------------------------------------- commands (to the engine)
 
@@ -47,6 +49,7 @@ Command = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 class EngineReady:
     model_info: ModelInfo
     num_kv_blocks: int
+    step_log: StepLog
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ a mounted sub-app, so a parent app enters `aserve_lifespan(app)` from its own li
 from __future__ import annotations
 
 import contextlib
-import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,15 +19,16 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import aserve
 from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.async_engine import AsyncEngine
 from aserve.server import routes
+from aserve.server.auth import ApiKeyMiddleware
 from aserve.server.chat import create_chat_completion
 from aserve.server.completions import create_completion
 from aserve.server.errors import EXCEPTION_HANDLERS, error_response
+from aserve.server.frontend import frontend_routes
 from aserve.server.metrics import ServerMetrics
 from aserve.server.openapi import openapi_json
 
@@ -50,6 +50,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed from the text
     tool_call_parser: str | None = None  # the model's tool-call format (`tool_parsers.py`)
     reasoning_parser: str | None = None  # <think> -> reasoning_content (`reasoning_parsers.py`)
+    disable_frontend: bool = False  # no playground, dashboard or their files (`frontend.py`)
 
 
 class ServerState:
@@ -86,24 +87,6 @@ async def aserve_lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.shutdown()
 
 
-class ApiKeyMiddleware:
-    """Requests under /v1 need `Authorization: Bearer <key>`; compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(
-                scope.get("root_path", "") + "/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response("Invalid or missing API key.", 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 async def health(request: Request) -> Response:
     """200 while the engine runs; 503 with the reason once it has died. With `?generate=1` it
     also generates one token through the engine (a liveness probe that tells a stuck engine
@@ -132,6 +115,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
                                      allow_methods=["*"], allow_headers=["*"]))
     if config.api_key:
         middleware.append(Middleware(ApiKeyMiddleware, api_key=config.api_key))
+    pages = [] if config.disable_frontend else frontend_routes()
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
@@ -143,6 +127,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
+            *pages,
         ],
         middleware=middleware,
         lifespan=aserve_lifespan,

@@ -183,6 +183,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a reasoning model's <think>...</think> into "
                             "message.reasoning_content: deepseek_r1, qwen3")
+    group.add_argument("--disable-frontend", action="store_true",
+                       help="serve no web pages: no playground at /, no dashboard at "
+                            "/dashboard, nor their files and figures (all 404)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
 
@@ -229,7 +232,8 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
                         request_timeout=ns.request_timeout,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         tool_call_parser=ns.tool_call_parser,
-                        reasoning_parser=ns.reasoning_parser)
+                        reasoning_parser=ns.reasoning_parser,
+                        disable_frontend=ns.disable_frontend)
 
 
 # ---------------------------------------------------------------------------------- the model

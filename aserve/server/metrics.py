@@ -3,12 +3,15 @@
 Engine gauges and totals (running, waiting, KV-cache usage, prefix-cache queries and hits,
 preemptions) are read from the engine's latest published stats when scraped; request metrics
 (tokens, finishes, TTFT, inter-token and end-to-end latency) are recorded by the routes through a
-`RequestTracker`. Each app has its own registry, so several apps can live in one process.
+`RequestTracker`. Each app has its own registry, so several apps can live in one process. The
+tracker also keeps the last `RECENT_LATENCIES` TTFT and inter-token samples, from which the
+dashboard reads live percentiles (a histogram's buckets are too coarse, and cover all time).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -19,6 +22,7 @@ from aserve.engine.async_engine import AsyncEngine
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+RECENT_LATENCIES = 1000  # samples of each latency kept for the dashboard's percentiles
 
 
 class _EngineStatsCollector(Collector):
@@ -67,9 +71,11 @@ class RequestTracker:
         now, m = time.monotonic(), self.metrics
         if not self.first_token_seen:
             m.ttft.labels(m.model_name).observe(now - self.arrival)
+            m.recent_ttft.append(now - self.arrival)
             self.first_token_seen = True
         else:
             m.itl.labels(m.model_name).observe(now - self.last)
+            m.recent_itl.append(now - self.last)
         self.last = now
         m.generation_tokens.labels(m.model_name).inc(num_tokens)
 
@@ -101,6 +107,8 @@ class ServerMetrics:
         self.rejected = Counter("aserve:request_rejected", "Requests refused as overload "
                                 "(503 + Retry-After).", labels, registry=r)
         r.register(_EngineStatsCollector(self))
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT_LATENCIES)
+        self.recent_itl: deque[float] = deque(maxlen=RECENT_LATENCIES)
 
     def bind_engine(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -113,3 +121,15 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def counter_totals(self) -> dict[str, float]:
+        """The counters `/metrics` shows now, by sample name (`aserve:generation_tokens_total`),
+        each summed over its labels (`request_success` over finish reasons)."""
+        totals: dict[str, float] = {}
+        for family in self.registry.collect():
+            if family.type != "counter":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+        return totals

@@ -18,9 +18,12 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Mount
+from starlette.staticfiles import StaticFiles
 
 import aserve
 from aserve.server import protocol, responses
+from aserve.server.auth import needs_api_key
+from aserve.server.dashboard import DashboardStats
 from aserve.server.errors import ErrorResponse
 
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -71,6 +74,16 @@ OPERATIONS = {
     "/metrics": Operation("Prometheus metrics.", response={"type": "string"},
                           media_type="text/plain"),
     "/openapi.json": Operation("This document.", response={"type": "object"}),
+    "/": Operation("The chat playground: a web page.", response={"type": "string"},
+                   media_type="text/html"),
+    "/dashboard": Operation("The engine's live dashboard: a web page.",
+                            response={"type": "string"}, media_type="text/html"),
+    "/dashboard/stats": Operation("The engine's live figures, as the dashboard polls them.",
+                                  response=DashboardStats, errors=(503,)),
+    "/static/{path}": Operation(
+        "The web pages' files (HTML, CSS, JavaScript modules).", response={"type": "string"},
+        media_type="application/octet-stream", parameters=[{
+            "name": "path", "in": "path", "required": True, "schema": {"type": "string"}}]),
     "/v1/models": Operation("The served model.", response=responses.ModelList, errors=(503,)),
     "/tokenize": Operation("Tokenize a prompt, or chat messages rendered by the chat template.",
                            protocol.TokenizeRequest, responses.TokenizeResponse,
@@ -147,7 +160,9 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> list[tuple[str, list[s
     found = []
     for route in routes:
         path = prefix + getattr(route, "path", "")
-        if isinstance(route, Mount):
+        if isinstance(route, Mount) and isinstance(route.app, StaticFiles):
+            found.append((path + "/{path}", ["GET"]))
+        elif isinstance(route, Mount):
             found += _routes(route.routes, path)
         elif getattr(route, "methods", None):
             found.append((path, sorted(m for m in route.methods if m != "HEAD")))
@@ -166,7 +181,8 @@ def _error_components(refs: dict) -> dict[str, dict]:
 
 
 def _settings(app: Any) -> tuple[bool, bool]:
-    """(an API key guards /v1, a request timeout is set) for the app, if it is aserve's."""
+    """(an API key guards /v1 and the dashboard's figures, a request timeout is set) for the
+    app, if it is aserve's."""
     state = getattr(app.state, "aserve", None)
     config = getattr(state, "config", None)
     return (bool(getattr(config, "api_key", None)),
@@ -181,7 +197,7 @@ def build_openapi(app: Any, root_path: str = "") -> dict[str, Any]:
     paths: dict[str, dict] = {}
     for path, methods in _routes(app.routes):
         op = OPERATIONS.get(path, Operation(f"{path} (undocumented)."))
-        secured = keyed and path.startswith("/v1")
+        secured = keyed and needs_api_key(path)
         statuses = sorted({*(s for s in op.errors if s != 504 or timeout),
                            *((401,) if secured else ())})
         paths[path] = {m.lower(): _operation(path, m, op, refs, statuses, secured)

@@ -109,6 +109,25 @@ def test_long_prompt_is_chunked_by_the_budget_and_mixed_with_decodes() -> None:
     assert_finished_cleanly(runner)
 
 
+def test_decode_tokens_are_counted_apart_from_prefill_chunks() -> None:
+    """A step's decodes are one-token steps past the prompt; a prompt's last one-token chunk,
+    or a resumed request's recomputation, is prefill."""
+    scheduler = make_scheduler(budget=8)
+    runner = make_runner(scheduler, make_request("a", tokens(1, 3), arrival=0),
+                         make_request("b", tokens(50, 20), arrival=1))
+    decodes = [runner.step()[0].num_decode_tokens for _ in range(5)]
+    # a: 3, 1, 1, 1, 1; b: 5, 7, 7, 1 (its last prompt token), 1 (its first decode)
+    assert decodes == [0, 1, 1, 1, 2]
+    assert_finished_cleanly(runner)
+
+
+def test_async_decode_with_a_token_in_flight_counts_as_a_decode() -> None:
+    scheduler = make_scheduler(async_scheduling=True)
+    scheduler.add_request(make_request("a", tokens(1, 6), max_tokens=5, ignore_eos=True))
+    assert scheduler.schedule().num_decode_tokens == 0  # the prompt
+    assert scheduler.schedule().num_decode_tokens == 1  # its token is still in flight
+
+
 def test_running_requests_spend_the_budget_before_waiting_ones_are_admitted() -> None:
     scheduler = make_scheduler(budget=2)
     runner = make_runner(scheduler, make_request("a", tokens(1, 1)),

@@ -9,4 +9,6 @@
   blocks), and the CPU / Triton attention ops run on them (sliding-window and sink tests)
 - server.py: `serving`, `tiny_app`, `free_port`, `wait_healthy`, `assert_error`
 - soak_client.py: the soak test's request plan and client
+- browser.py: `headless_chromium`, Debian's Chromium driven by selenium (also used by
+  scripts/screenshots.py)
 """

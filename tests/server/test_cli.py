@@ -115,6 +115,8 @@ def test_flags_map_onto_engine_args_and_server_config(monkeypatch):
     assert config.allowed_origins == ["http://a", "http://b", "http://c"]
     assert config.api_key == "from-env"
     assert server_config_from(build_parser().parse_args(["--api-key", "k"])).api_key == "k"
+    assert not config.disable_frontend
+    assert server_config_from(build_parser().parse_args(["--disable-frontend"])).disable_frontend
 
 
 @pytest.mark.parametrize("text,expected", [("1024", 1024), ("4GiB", 4 << 30), ("4G", 4 << 30),

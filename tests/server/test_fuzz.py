@@ -18,6 +18,7 @@ from helpers.server import serving, tiny_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
+from starlette.routing import Mount
 
 from aserve.server import ServerConfig, responses
 from aserve.server.openapi import build_openapi
@@ -360,7 +361,10 @@ def test_a_request_chat_template_that_fails_is_a_400(client, route, template):
 
 
 def test_openapi_json_lists_every_route_of_the_app(app, openapi):
-    served = {route.path: route.methods - {"HEAD"} for route in app.routes}
+    served = {route.path: route.methods - {"HEAD"} for route in app.routes
+              if not isinstance(route, Mount)}
+    served |= {f"{route.path}/{{path}}": {"GET"} for route in app.routes
+               if isinstance(route, Mount)}  # the web pages' static files
     assert set(openapi["paths"]) == set(served)
     for path, methods in served.items():
         assert {m.upper() for m in openapi["paths"][path]} == methods
@@ -385,7 +389,8 @@ def test_openapi_with_an_api_key_marks_v1_as_secured(model_dir_factory):
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["security"] == [{"bearerAuth": []}]
     assert {"401", "504"} <= set(completions["responses"])
-    assert "security" not in doc["paths"]["/tokenize"]["post"]  # only /v1 needs the key
+    assert "security" not in doc["paths"]["/tokenize"]["post"]  # only /v1 and the figures
+    assert doc["paths"]["/dashboard/stats"]["get"]["security"] == [{"bearerAuth": []}]
 
 
 def test_openapi_document_is_a_valid_openapi_3_1_document(openapi):

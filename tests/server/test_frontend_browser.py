@@ -1,0 +1,259 @@
+"""The web pages in a real headless Chromium, against servers of the built-in demo model: a
+greeting typed into "Message" and sent streams a reply; a reply carrying HTML and script, forced
+through the page's own JSON-schema box, shows as text and runs nothing; Stop aborts a long reply
+in the engine; the dashboard's figures move as requests are served; under `/llm/` with
+`--api-key` the page asks for the key and both pages work with it.
+
+Skipped only where Chromium, its driver or selenium is missing (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+from helpers.browser import chromium_missing, headless_chromium
+from helpers.server import serving
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
+from aserve.engine.arg_utils import EngineArgs
+from aserve.server import ServerConfig, aserve_lifespan, build_app
+
+pytestmark = [
+    pytest.mark.spawns,  # uvicorn servers and a Chromium
+    pytest.mark.skipif(chromium_missing() is not None, reason=str(chromium_missing())),
+]
+
+WAIT_S = 60
+ASSISTANT_DONE = '[data-role="assistant"][data-state="done"]'
+PAYLOAD = "<img src=x onerror=window.__pwned=1><script>window.__pwned=2</script>"
+
+
+def demo_app(**config):
+    return build_app(EngineArgs(model=str(DEMO_MODEL_DIR), dtype="float32"),
+                     ServerConfig(served_model_name=DEMO_MODEL_NAME, **config))
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with serving(demo_app()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reasoning_server() -> Iterator[str]:
+    """deepseek_r1's parser: the demo model never writes `</think>`, so all it says is reasoning."""
+    with serving(demo_app(reasoning_parser="deepseek_r1")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def keyed_llm_server() -> Iterator[str]:
+    """The app under /llm of a parent, with an API key; yields the parent's URL."""
+    app = demo_app(api_key="secret")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(parent: Starlette) -> AsyncIterator[None]:
+        async with aserve_lifespan(app):
+            yield
+
+    with serving(Starlette(routes=[Mount("/llm", app)], lifespan=lifespan)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def driver():
+    browser = headless_chromium()
+    yield browser
+    browser.quit()
+
+
+def wait(driver, condition, timeout: float = WAIT_S):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout).until(condition)
+
+
+def css(driver, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def open_fresh(driver, url: str) -> None:
+    """Open `url` with this origin's storage (conversation, key) emptied."""
+    driver.get(url)
+    driver.execute_script("localStorage.clear()")
+    driver.get(url)
+
+
+def send(driver, text: str) -> None:
+    """Type into the textbox named "Message" and press the button named "Send"."""
+    from selenium.webdriver.common.by import By
+
+    box = driver.find_element(By.XPATH, "//label[normalize-space()='Message']")
+    box = driver.find_element(By.ID, box.get_attribute("for"))
+    assert box.accessible_name == "Message" and box.aria_role == "textbox"
+    box.send_keys(text)
+    button = driver.find_element(By.XPATH, "//button[normalize-space()='Send']")
+    assert button.accessible_name == "Send"
+    button.click()
+
+
+def last_reply(driver):
+    wait(driver, lambda d: len(css(d, ASSISTANT_DONE)) == len(css(d, '[data-role="assistant"]'))
+         and css(d, ASSISTANT_DONE))
+    return css(driver, '[data-role="assistant"]')[-1]
+
+
+def test_a_greeting_streams_a_reply_kept_across_a_reload(server, driver):
+    open_fresh(driver, f"{server}/")
+    send(driver, "Hello")
+    reply = last_reply(driver)
+    text = reply.find_element("css selector", ".content").text
+    assert text.strip()
+    meta = reply.find_element("css selector", ".meta").text
+    assert "completion tokens" in meta  # the usage chunk of the stream (include_usage)
+    assert "error" not in reply.find_element("css selector", ".meta").get_attribute("class")
+    assert [t.text for t in css(driver, '[data-role="user"] .content')] == ["Hello"]
+    driver.refresh()  # the conversation lives in localStorage
+    wait(driver, lambda d: len(css(d, "[data-role]")) == 2)
+    assert css(driver, '[data-role="assistant"] .content')[0].text == text
+
+
+def test_regenerate_replaces_the_last_reply(server, driver):
+    open_fresh(driver, f"{server}/")
+    send(driver, "Hi")
+    last_reply(driver)
+    css(driver, "#regenerate")[0].click()
+    wait(driver, lambda d: css(d, '[data-role="assistant"][data-state="streaming"]')
+         or css(d, ASSISTANT_DONE))
+    last_reply(driver)
+    assert [t.get_attribute("data-role") for t in css(driver, "[data-role]")] == [
+        "user", "assistant"]
+
+
+def test_a_reply_of_html_and_script_shows_as_text_and_runs_nothing(server, driver):
+    open_fresh(driver, f"{server}/")
+    schema = {"type": "object", "properties": {"html": {"const": PAYLOAD}},
+              "required": ["html"], "additionalProperties": False}
+    css(driver, "#schema")[0].send_keys(json.dumps(schema))
+    send(driver, "Hello")
+    reply = last_reply(driver)
+    assert PAYLOAD in reply.find_element("css selector", ".content").text
+    assert not css(driver, "#messages img, #messages script, #messages [onerror]")
+    assert driver.execute_script("return window.__pwned") is None
+
+
+def test_the_markdown_renderer_escapes_html_and_links_only_http(server, driver):
+    open_fresh(driver, f"{server}/")
+    payloads = [
+        "<script>window.__pwned=1</script>",
+        "<img src=x onerror=\"window.__pwned=2\">",
+        "**<svg onload=window.__pwned=3>**",
+        "[click](javascript:window.__pwned=4) [data](data:text/html,<b>x</b>)",
+        "| a |\n|---|\n| <img src=y onerror=window.__pwned=5> |",
+        "```\n</code></pre><img src=z onerror=window.__pwned=6>\n```",
+        "[fine](https://example.com/a?b=<c>)",
+    ]
+    html = driver.execute_async_script("""
+        const [texts, done] = arguments;
+        import(new URL("static/markdown.js", document.baseURI)).then((markdown) => {
+          const box = document.createElement("div");
+          box.id = "rendered";
+          for (const text of texts) box.append(markdown.renderMarkdown(text));
+          document.body.append(box);  // in the document: an <img> would load, and fail
+          setTimeout(() => done(box.innerHTML), 200);
+        });""", payloads)
+    assert driver.execute_script("return window.__pwned") is None
+    assert not css(driver, "#rendered img, #rendered script, #rendered svg")
+    links = [a.get_attribute("href") for a in css(driver, "#rendered a")]
+    assert links == ["https://example.com/a?b=%3Cc%3E"]
+    assert "&lt;script&gt;" in html and "onerror=" in html  # shown, as text
+
+
+def test_a_required_tool_call_is_shown_with_its_arguments(server, driver):
+    from selenium.webdriver.support.select import Select
+
+    open_fresh(driver, f"{server}/")
+    city = {"type": "string", "maxLength": 12}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": city}, "required": ["city"],
+        "additionalProperties": False}}}
+    css(driver, "#tools")[0].send_keys(json.dumps([tool]))
+    Select(css(driver, "#tool_choice")[0]).select_by_visible_text("required")
+    send(driver, "Weather in Paris?")
+    reply = last_reply(driver)
+    call = reply.find_element("css selector", ".tool-calls").text
+    assert call.startswith("get_weather(") and '"city"' in call
+    assert "finish: tool_calls" in reply.find_element("css selector", ".meta").text
+
+
+def test_reasoning_deltas_are_shown_apart_from_the_answer(reasoning_server, driver):
+    open_fresh(driver, f"{reasoning_server}/")
+    send(driver, "Hello")
+    reply = last_reply(driver)
+    reasoning = reply.find_element("css selector", ".reasoning")
+    assert reasoning.is_displayed()
+    reasoning.find_element("css selector", "summary").click()  # open it
+    assert reply.find_element("css selector", ".thought").text.strip()
+    assert reply.find_element("css selector", ".content").text == ""
+
+
+def streaming_text(driver) -> str:
+    """The text of the reply streaming now ("" when none is)."""
+    return "".join(e.text for e in css(driver, '[data-state="streaming"] .content'))
+
+
+def test_stop_aborts_a_long_reply_in_the_engine(server, driver):
+    open_fresh(driver, f"{server}/")
+    long_list = {"type": "array", "items": {"type": "integer"}, "minItems": 400}
+    css(driver, "#schema")[0].send_keys(json.dumps(long_list))
+    send(driver, "Count")
+    wait(driver, lambda d: len(streaming_text(d)) > 10)  # shown while it streams
+    css(driver, "#stop")[0].click()
+    reply = last_reply(driver)
+    assert "finish: stopped" in reply.find_element("css selector", ".meta").text
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server}/dashboard/stats").json()["requests_running"]:
+        assert time.monotonic() < deadline, "the engine kept running the stopped reply"
+        time.sleep(0.1)
+
+
+def test_the_dashboard_counts_generated_tokens_live(server, driver):
+    open_fresh(driver, f"{server}/dashboard")
+    for metric in ("requests_running", "requests_waiting", "kv_cache_usage",
+                   "generation_tokens_total", "step_composition"):
+        assert css(driver, f'[data-metric="{metric}"]'), metric
+
+    def generated(d) -> int | None:
+        text = css(d, '[data-metric="generation_tokens_total"] .value')[0].text
+        return int(text.replace(",", "")) if text[:1].isdigit() else None
+
+    before = wait(driver, lambda d: generated(d) is not None and (generated(d),))[0]
+    body = {"prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    for _ in range(2):
+        assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
+    wait(driver, lambda d: generated(d) >= before + 16)
+    assert css(driver, "#step-bars rect")  # the steps that made them
+
+
+def test_under_llm_with_an_api_key_the_pages_ask_for_it_and_use_it(keyed_llm_server, driver):
+    open_fresh(driver, f"{keyed_llm_server}/llm/")
+    form = wait(driver, lambda d: [f for f in css(d, "form.api-key") if f.is_displayed()])[0]
+    form.find_element("css selector", "input").send_keys("secret")
+    form.find_element("css selector", "button").click()
+    wait(driver, lambda d: DEMO_MODEL_NAME in css(d, "#model")[0].text)
+    send(driver, "Hello")
+    reply = last_reply(driver)
+    assert reply.find_element("css selector", ".content").text.strip()
+    driver.get(f"{keyed_llm_server}/llm/dashboard")  # the key is kept for this app's pages
+    wait(driver, lambda d: css(d, '[data-metric="generation_tokens_total"] .value')[0].text
+         not in ("", "0", "–"))
+    assert not [f for f in css(driver, "form.api-key") if f.is_displayed()]
