@@ -186,6 +186,88 @@ class StreamingToolParser:
 
 
 
+@dataclass
+class _ArrayCall:
+    name: str | None = None
+    arguments: str = ""  # raw text of "parameters" so far
+    arguments_done: bool = False
+
+
+class RequiredCallsScanner:
+    """Reads a `required` reply — the grammar's JSON array of {"name": ..., "parameters": ...}
+    objects — a character at a time, so that a stream can send each call's name as soon as it
+    is complete and its arguments as they are written. The arguments are the raw text of the
+    "parameters" value (compact JSON by default), streamed and not, so streamed fragments
+    concatenate to the non-streamed arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[_ArrayCall] = []
+        self._text = ""
+        self._depth = 0
+        self._in_string = self._escaped = False
+        self._token_start = 0  # of the string being read
+        self._key: str | None = None  # the call object's key whose value is being read
+        self._reading_key = False  # next string at depth 2 is a key
+        self._value_start: int | None = None  # of the current depth-2 value
+
+    def feed(self, text: str) -> None:
+        start = len(self._text)
+        self._text += text
+        for i in range(start, len(self._text)):
+            self._step(i, self._text[i])
+        call = self.calls[-1] if self.calls else None
+        if call is not None and self._key == "parameters" and self._value_start is not None:
+            call.arguments = self._text[self._value_start:].rstrip()
+
+    def _step(self, i: int, c: str) -> None:
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._in_string = False
+                if self._depth == 2:
+                    self._string_read(json.loads(self._text[self._token_start:i + 1]))
+            return
+        if c == '"':
+            self._in_string, self._token_start = True, i
+            if self._depth == 2 and not self._reading_key and self._value_start is None:
+                self._value_start = i
+        elif c in "{[":
+            if self._depth == 1 and c == "{":
+                self.calls.append(_ArrayCall())
+                self._reading_key, self._key = True, None
+            elif self._depth == 2 and self._value_start is None:
+                self._value_start = i
+            self._depth += 1
+        elif c in "}]":
+            self._depth -= 1
+            if self._depth == 1:
+                self._value_done(i)
+        elif self._depth == 2 and c == ",":
+            self._value_done(i)
+            self._reading_key = True
+        elif self._depth == 2 and c == ":":
+            self._reading_key = False
+        elif self._depth == 2 and not c.isspace() and self._value_start is None:
+            self._value_start = i  # a number, true, false, null
+
+    def _string_read(self, value: str) -> None:
+        if self._reading_key:
+            self._key = value
+        elif self._key == "name":
+            self.calls[-1].name = value
+            self._value_start = None
+
+    def _value_done(self, end: int) -> None:
+        """The call object's current value ends before `end` (a ',' or the object's '}')."""
+        if self._key == "parameters" and self._value_start is not None:
+            self.calls[-1].arguments = self._text[self._value_start:end].strip()
+            self.calls[-1].arguments_done = True
+        self._key, self._value_start = None, None
+
+
 class ReplyTools:
     """How one chat request's replies become content and tool calls, whole (`split`) or
     streamed (`stream`), for its tool mode (`ToolFields.tool_mode`)."""
@@ -200,10 +282,13 @@ class ReplyTools:
         if self.mode in ("required", "named"):
             if finish_reason != "stop":
                 return text, []
-            try:
-                return None, self.body.constrained_calls(text)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return text, []
+            if self.mode == "named":
+                name = self.body.tool_choice.function.name
+                return None, [ToolCall(function=FunctionCall(name=name, arguments=text))]
+            scanner = RequiredCallsScanner()
+            scanner.feed(text)
+            return None, [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+                          for c in scanner.calls]
         if self.mode == "auto" and self.parser is not None:
             parsed = self.parser.parse(text, final=True)
             calls = tool_calls_of(parsed)
@@ -216,14 +301,16 @@ class ReplyTools:
 
 class ChoiceToolStream:
     """One streamed choice: `feed(text delta, finish_reason)` -> (content delta or None,
-    tool-call deltas or None). Named calls stream their arguments as they come; `required`
-    calls come whole when the reply ends (the array is parsed then); auto calls come whole as
-    each completes in the text."""
+    tool-call deltas or None). Named and `required` calls stream their arguments as they come
+    (a `required` call's name first, once complete); auto calls come whole as each completes
+    in the text."""
 
     def __init__(self, tools: ReplyTools) -> None:
-        self.tools, self.buffer, self.num_calls = tools, "", 0
+        self.tools, self.num_calls = tools, 0
         self.parsing = (StreamingToolParser(tools.parser)
                         if tools.mode == "auto" and tools.parser is not None else None)
+        self.scanner = RequiredCallsScanner() if tools.mode == "required" else None
+        self.arguments_sent: list[int] = []  # per `required` call
 
     @property
     def has_calls(self) -> bool:
@@ -239,16 +326,31 @@ class ChoiceToolStream:
                 return None, [{"index": 0, "id": make_tool_call_id(), "type": "function",
                                "function": {"name": name, "arguments": text}}]
             return None, ([{"index": 0, "function": {"arguments": text}}] if text else None)
-        if mode == "required":
-            self.buffer += text
-            if finish_reason is None:
-                return None, None
-            content, calls = self.tools.split(self.buffer, finish_reason)
-            return (content, self._deltas(calls) or None)
+        if self.scanner is not None:
+            self.scanner.feed(text)
+            return None, self._required_deltas() or None
         if self.parsing is not None:
             content, calls = self.parsing.feed(text, final=finish_reason is not None)
             return content, self._deltas(calls) or None
         return text, None
+
+    def _required_deltas(self) -> list[dict]:
+        """A call's first delta once its name is complete (id, name, the arguments so far),
+        then each new stretch of its arguments."""
+        deltas = []
+        for index, call in enumerate(self.scanner.calls):
+            if call.name is None:
+                break
+            if index == self.num_calls:
+                self.num_calls += 1
+                self.arguments_sent.append(len(call.arguments))
+                deltas.append({"index": index, "id": make_tool_call_id(), "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}})
+            elif len(call.arguments) > self.arguments_sent[index]:
+                fragment = call.arguments[self.arguments_sent[index]:]
+                self.arguments_sent[index] = len(call.arguments)
+                deltas.append({"index": index, "function": {"arguments": fragment}})
+        return deltas
 
     def _deltas(self, calls: list[ToolCall]) -> list[dict]:
         deltas = [{"index": self.num_calls + i, "id": c.id, "type": "function",

@@ -118,15 +118,6 @@ class ToolFields(StrictModel):
         """The tools as a chat template's `tools` variable takes them (transformers' shape)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
-    def constrained_calls(self, text: str) -> list[ToolCall]:
-        """The calls of a `required` / named reply (its text is the grammar's JSON)."""
-        if self.tool_mode == "named":
-            return [ToolCall(function=FunctionCall(name=self.tool_choice.function.name,
-                                                   arguments=text))]
-        return [ToolCall(function=FunctionCall(name=c["name"],
-                                               arguments=json.dumps(c["parameters"])))
-                for c in json.loads(text)]
-
 
 def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}

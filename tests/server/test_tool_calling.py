@@ -20,7 +20,13 @@ from helpers.server import assert_error, serving, tiny_app
 
 from aserve.server import ServerConfig
 from aserve.server.protocol import ChatCompletionRequest
-from aserve.server.tool_parsers import StreamingToolParser, get_tool_parser, tool_calls_of
+from aserve.server.tool_parsers import (
+    ChoiceToolStream,
+    ReplyTools,
+    StreamingToolParser,
+    get_tool_parser,
+    tool_calls_of,
+)
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1,
@@ -98,8 +104,12 @@ def test_required_and_named_tool_choices_give_valid_calls_streamed_or_not(client
         if isinstance(tool_choice, dict):
             assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    calls, finish = streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    calls, finish = streamed_calls(iter(chunks))
     assert finish == "tool_calls"
+    argument_deltas = [d for c in chunks for choice in c.choices
+                       for d in choice.delta.tool_calls or [] if d.function.arguments]
+    assert len(argument_deltas) > 2 * len(calls)  # streamed as written, not whole at the end
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole]
     assert all(c["id"] for c in calls.values())
@@ -214,3 +224,42 @@ def test_text_without_a_call_stays_content():
     for name in ("hermes", "llama3_json", "mistral"):
         parsed = get_tool_parser(name).parse("Just words, <tool_call>{broken", final=True)
         assert parsed.calls == [] and parsed.content == "Just words, <tool_call>{broken"
+
+
+REQUIRED_REPLIES = [
+    '[{"name":"get_weather","parameters":{"city":"Par{is]\\"x","days":3}}]',
+    '[{"name":"get_time","parameters":{"zone":"UTC"}},{"name":"get_weather","parameters":'
+    '{"city":"","days":7,"extra":[{"a":[1,2]},null,true]}}]',
+    ' [ { "parameters" : { "zone" : "a,b:c" } , "name" : "get_time" } ,\n'
+    ' {"name": "get_weather", "parameters": {"city": "x", "days": 1}} ] ',
+]
+
+
+@pytest.mark.parametrize("reply", REQUIRED_REPLIES)
+def test_required_replies_stream_names_then_arguments_in_random_splits(reply):
+    """A `required` reply is the grammar's JSON array (compact, or with any whitespace): in
+    any split its stream sends each call's name once complete, then its arguments as written;
+    the fragments concatenate to the non-streamed calls', whose arguments are the raw
+    "parameters" text, which parses to the value in the reply."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                 tool_choice="required")
+    tools = ReplyTools(body, None)
+    content, whole = tools.split(reply, "stop")
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == [
+        (c["name"], c["parameters"]) for c in json.loads(reply)]
+    rng = random.Random(reply)
+    for _ in range(20):
+        stream, cuts = ChoiceToolStream(tools), sorted(rng.sample(range(len(reply)), 6))
+        calls: dict[int, dict] = {}
+        for a, b in zip([0, *cuts], [*cuts, len(reply)]):
+            _, deltas = stream.feed(reply[a:b], "stop" if b == len(reply) else None)
+            for delta in deltas or []:
+                call = calls.setdefault(delta["index"], {"name": None, "arguments": ""})
+                if "id" in delta:
+                    assert call["name"] is None and delta["function"]["name"]
+                    call["name"] = delta["function"]["name"]
+                call["arguments"] += delta["function"]["arguments"]
+        assert stream.has_calls
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in whole]
