@@ -50,6 +50,8 @@ class Platform(ABC):
             `torch.no_grad`: torch_xla cannot make inference tensors).
         static_shapes: whether the runner pads each batch's token count to a power of two, so
             that a compiling backend (XLA) sees few distinct shapes.
+        computes_on_host: whether the forward runs on the host's cores (the CPU), so that host
+            work beside it (a grammar's token mask) takes cores from it rather than idle time.
         default_max_num_batched_tokens: the engine step's token budget when the user sets
             none: large enough that the step's GEMMs run at full rate, no larger (a bigger
             step only delays the first token of every request in it).
@@ -73,6 +75,7 @@ class Platform(ABC):
     dist_backend: ClassVar[str]
     supports_graphs: ClassVar[bool] = False
     static_shapes: ClassVar[bool] = False
+    computes_on_host: ClassVar[bool] = False
     # The engine step's token budget when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: ClassVar[int] = 4096
     supports_inference_mode: ClassVar[bool] = True

@@ -28,6 +28,7 @@ class CpuPlatform(Platform):
 
     name = "cpu"
     dist_backend = "gloo"
+    computes_on_host = True
 
     def __init__(self, meminfo: Path | str = "/proc/meminfo",
                  cgroup: Path | str = "/sys/fs/cgroup") -> None:

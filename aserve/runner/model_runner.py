@@ -112,7 +112,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.publish_inputs = publish_inputs
         self._mask_filler: ThreadPoolExecutor | None = None  # started by the first grammar
-        self.check_greedy_tokens = device.type == "cpu"  # (see `_start_masks`)
+        self.check_greedy_tokens = platform.computes_on_host  # (see `_start_masks`)
 
     @property
     def num_kv_heads(self) -> int:
