@@ -39,11 +39,13 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     """The kernels for activations of `dtype` (builds the extension on first call)."""
     onednn = _pack_linears if dtype == torch.bfloat16 and _onednn_bf16() else None
     if cpu_extension.load() is None:
-        return KernelOps("cpu-ref", pack_linears=onednn)
+        return KernelOps("cpu-ref", pack_linears=onednn, random_sampling="inverse_cdf")
     if dtype == torch.float32:
-        return KernelOps("cpu-fp32", argmax=cpu_elementwise.argmax)
+        return KernelOps("cpu-fp32", argmax=cpu_elementwise.argmax,
+                         random_sampling="inverse_cdf")
     attention = {"store_kv": store_kv_ref, "paged_attention": paged_attention_cpu,
-                 "attention_forward": cpu_attention_forward, "argmax": cpu_elementwise.argmax}
+                 "attention_forward": cpu_attention_forward, "argmax": cpu_elementwise.argmax,
+                 "random_sampling": "inverse_cdf"}
     if dtype != torch.bfloat16:
         return KernelOps(f"cpu-{str(dtype).removeprefix('torch.')}", **attention)
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,

@@ -25,6 +25,10 @@ Each op has one calling convention whatever implements it:
     silu_and_mul(x) -> silu(x[..., :d]) * x[..., d:]
     gelu_tanh_and_mul(x) -> gelu(x[..., :d], approximate="tanh") * x[..., d:]
     argmax(logits) -> logits.argmax(-1)        (ties: the lowest id)
+    random_sampling: "race" | "inverse_cdf"   how the sampler draws a random row's token from
+                    its probabilities: the exponential race argmax(p / E), V draws a row (fast
+                    elementwise on a GPU), or one uniform a row against a float64 cumsum
+                    (a CPU's exponential_ costs ~15 ns an element: 24 ms for 32 x 49k)
     pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
                     (None: every linear is F.linear on the loaded weight)
@@ -184,6 +188,7 @@ class KernelOps:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_ref
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_ref
     argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref
+    random_sampling: str = "race"
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None

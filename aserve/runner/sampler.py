@@ -5,12 +5,15 @@
         ├─ logit_bias ─ min_tokens mask ─ repetition ─ frequency/presence penalties
         │
         ├─ greedy rows: argmax (ties → lowest id, like HF)
-        └─ random rows: ÷ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ exponential race
+        └─ random rows: ÷ temperature ─ min_p ─ top_k ─ top_p ─ softmax ─ a draw
 
-The exponential race (argmax of probs / Exponential(1) noise) is Gumbel-max sampling; it lets a
-seeded row draw its noise from its own generator, seeded by (seed, output position) only, so its
-tokens never depend on the batch around it. Nothing here syncs with the host; only seeded rows and
-sparse per-row data loop in Python. This module does not decide which rows sample (the runner does).
+The draw is the platform's (`KernelOps.random_sampling`): the exponential race (argmax of
+probs / Exponential(1) noise, Gumbel-max sampling; V draws a row, elementwise, as vLLM does on
+GPUs) or the inverse CDF (one uniform a row, the first token whose float64 cumulative
+probability passes it; a CPU draws exponentials at ~15 ns each). Either way a seeded row draws
+from its own generator, seeded by (seed, output position) only, so its tokens never depend on
+the batch around it. Nothing here syncs with the host; only seeded rows and sparse per-row data
+loop in Python. This module does not decide which rows sample (the runner does).
 """
 
 from __future__ import annotations
@@ -71,10 +74,14 @@ class Sampler(torch.nn.Module):
     platform's (`KernelOps.argmax`: ties -> the lowest id, like HF)."""
 
     def __init__(self, generator: torch.Generator | None = None,
-                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref) -> None:
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref,
+                 random_sampling: str = "race") -> None:
         super().__init__()
+        if random_sampling not in ("race", "inverse_cdf"):
+            raise ValueError(f"random_sampling {random_sampling!r}: race or inverse_cdf")
         self.generator = generator
         self.argmax = argmax
+        self.random_sampling = random_sampling
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V] float32
@@ -93,24 +100,46 @@ class Sampler(torch.nn.Module):
             return self.argmax(logits)  # [N]
         greedy = None if metadata.all_random else self.argmax(logits)  # [N]
         probs = filtered_probs(logits, metadata)  # [N, V]
-        random = probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)  # [N]
+        if self.random_sampling == "inverse_cdf":
+            random = inverse_cdf(probs, self._draws(probs, metadata, (len(probs),),
+                                                    torch.float64, torch.Tensor.uniform_))
+        else:
+            noise = self._draws(probs, metadata, probs.shape, probs.dtype,
+                                torch.Tensor.exponential_)  # [N, V]
+            # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which
+            # argmax picks.
+            random = probs.div_(noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
         if greedy is None:
             return random
         return torch.where(metadata.temperature == 0, greedy, random)
 
-    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Exponential draws [N, V], made where the generator lives (the host on XLA, which
-        has no device generators) and moved to the logits' device."""
+    def _draws(self, probs: torch.Tensor, metadata: SamplingMetadata, shape: tuple[int, ...],
+               dtype: torch.dtype, fill: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """Random draws of `shape` (a row per sampled row), `fill`ed (`Tensor.uniform_`,
+        `Tensor.exponential_`) where the generator lives (the host on XLA, which has no device
+        generators) and moved to the logits' device; a seeded row from a fresh generator."""
         shared = self.generator if metadata.generator is None else metadata.generator
         device = probs.device if shared is None else shared.device
-        noise = torch.empty(probs.shape, dtype=probs.dtype, device=device)  # [N, V]
-        if len(metadata.seeded_rows) < probs.shape[0]:
-            noise.exponential_(generator=shared)
+        draws = torch.empty(shape, dtype=dtype, device=device)
+        if len(metadata.seeded_rows) < shape[0]:
+            fill(draws, generator=shared)
         for row, seed in zip(metadata.seeded_rows, metadata.seeded_generator_seeds, strict=True):
             generator = torch.Generator(device=device).manual_seed(seed)
-            noise[row].exponential_(generator=generator)
-        # A zero draw would turn a filtered-out token (prob 0) into 0/0 = nan, which argmax picks.
-        return noise.to(probs.device).clamp_min_(torch.finfo(noise.dtype).tiny)
+            fill(draws[row], generator=generator)
+        return draws.to(probs.device)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (rows summing to ~1), uniforms float64 [N] in [0, 1) -> int64 [N]: the
+    first token whose cumulative probability exceeds uniform x the row's total. float64 keeps
+    every token's share exact to ~1e-16 (float32 over 150 k tokens drifts by ~1e-5); a token of
+    probability 0 never passes (its cumulative sum equals its predecessor's), and the target is
+    kept below the total so that rounding cannot pass the last token that has probability."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [N, V]
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    token = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return token.clamp_max_(probs.shape[-1] - 1)  # (a row of nan: its last token)
 
 
 def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Sampler and SamplingMetadata on CPU: every knob changes exactly what it should, logprobs come
-from the raw logits, seeded draws ignore the batch, and draws follow softmax(logits / T)."""
+from the raw logits, seeded draws ignore the batch, and draws follow softmax(logits / T) — all
+of it under both ways of drawing a random row (`KernelOps.random_sampling`)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,19 @@ from aserve.runner.sampler import (
     apply_logits_processors,
     compute_prompt_logprobs,
     filtered_probs,
+    inverse_cdf,
 )
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.sampling_params import SamplingParams
 
 INF = float("inf")
+RANDOM_SAMPLING = ["race"]  # the draw every Sampler below uses (set per test by the fixture)
+
+
+@pytest.fixture(autouse=True, params=["race", "inverse_cdf"])
+def random_sampling(request):
+    RANDOM_SAMPLING[0] = request.param
+    return request.param
 
 
 def state(prompt=(1, 2, 3), output=(), req_id="r", **params) -> CachedRequestState:
@@ -30,7 +39,8 @@ def build(states, vocab_size) -> SamplingMetadata:
 
 
 def sample(logits, states, seed=0):
-    sampler = Sampler(generator=torch.Generator().manual_seed(seed))
+    sampler = Sampler(generator=torch.Generator().manual_seed(seed),
+                      random_sampling=RANDOM_SAMPLING[0])
     return sampler(logits, build(states, logits.shape[1]))
 
 
@@ -202,7 +212,7 @@ def test_unseeded_rows_use_the_generator_given_to_build():
     def draw(seed):
         generator = torch.Generator().manual_seed(seed)
         md = SamplingMetadata.build(states, 1000, "cpu", generator=generator)
-        return Sampler()(logits, md).sampled_token_ids.tolist()
+        return Sampler(random_sampling=RANDOM_SAMPLING[0])(logits, md).sampled_token_ids.tolist()
 
     assert draw(1) == draw(1) != draw(2)
 
@@ -243,3 +253,18 @@ def test_a_top_p_too_small_for_float32_still_keeps_the_best_token():
     logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]])
     kept = apply_top_k_top_p(logits, None, torch.tensor([5e-324]).float())  # 0.0 in float32
     assert torch.isfinite(kept).tolist() == [[False, True, False, False]]
+
+
+def test_inverse_cdf_never_draws_a_token_of_probability_zero():
+    """Tokens of probability 0 (filtered out, or padded vocabulary rows) are never drawn, even
+    by the extreme uniforms: 0 draws the first token with probability, the largest below 1
+    the last one."""
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [0.3, 0.0, 0.7, 0.0, 0.0, 0.0]])
+    for u, expected in ((0.0, [1, 5, 0]), (1 - 2**-53, [3, 5, 2]), (0.5, [3, 5, 2]),
+                        (0.49, [1, 5, 2])):
+        uniforms = torch.full((3,), u, dtype=torch.float64)
+        assert inverse_cdf(probs, uniforms).tolist() == expected, u
+    with pytest.raises(ValueError, match="race or inverse_cdf"):
+        Sampler(random_sampling="gumbel")
