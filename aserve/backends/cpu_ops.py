@@ -35,17 +35,21 @@ from aserve.kernels.rotary import rope_ref
 from aserve.kernels.store_kv import store_kv_ref
 
 
+# Sampling on the host's cores: exponential draws and whole-vocabulary sorts are slow there,
+# and reading a device value is free (`KernelOps.random_sampling`, `top_p_candidates`).
+HOST_SAMPLING = {"random_sampling": "inverse_cdf", "top_p_candidates": 256}
+
+
 def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     """The kernels for activations of `dtype` (builds the extension on first call)."""
     onednn = _pack_linears if dtype == torch.bfloat16 and _onednn_bf16() else None
     if cpu_extension.load() is None:
-        return KernelOps("cpu-ref", pack_linears=onednn, random_sampling="inverse_cdf")
+        return KernelOps("cpu-ref", pack_linears=onednn, **HOST_SAMPLING)
     if dtype == torch.float32:
-        return KernelOps("cpu-fp32", argmax=cpu_elementwise.argmax,
-                         random_sampling="inverse_cdf")
+        return KernelOps("cpu-fp32", argmax=cpu_elementwise.argmax, **HOST_SAMPLING)
     attention = {"store_kv": store_kv_ref, "paged_attention": paged_attention_cpu,
                  "attention_forward": cpu_attention_forward, "argmax": cpu_elementwise.argmax,
-                 "random_sampling": "inverse_cdf"}
+                 **HOST_SAMPLING}
     if dtype != torch.bfloat16:
         return KernelOps(f"cpu-{str(dtype).removeprefix('torch.')}", **attention)
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,

@@ -29,6 +29,10 @@ Each op has one calling convention whatever implements it:
                     its probabilities: the exponential race argmax(p / E), V draws a row (fast
                     elementwise on a GPU), or one uniform a row against a float64 cumsum
                     (a CPU's exponential_ costs ~15 ns an element: 24 ms for 32 x 49k)
+    top_p_candidates: int   0: top_p sorts each row's whole vocabulary; k > 0: it looks
+                    among the k best tokens first and sorts only rows whose nucleus is not
+                    within them (a host sync, free on the CPU; a sort there costs ~50 ms for
+                    32 x 49k)
     pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
                     (None: every linear is F.linear on the loaded weight)
@@ -189,6 +193,7 @@ class KernelOps:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor] = gelu_tanh_and_mul_ref
     argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref
     random_sampling: str = "race"
+    top_p_candidates: int = 0
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None

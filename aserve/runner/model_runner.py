@@ -103,7 +103,8 @@ class ModelRunner:
         self.ops = platform.kernel_ops(self.arch.dtype)
         bind_ops(self.model, self.ops)
         self.vocab_size = self.arch.vocab_size
-        self.sampler = Sampler(argmax=self.ops.argmax, random_sampling=self.ops.random_sampling)
+        self.sampler = Sampler(argmax=self.ops.argmax, random_sampling=self.ops.random_sampling,
+                               top_p_candidates=self.ops.top_p_candidates)
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}

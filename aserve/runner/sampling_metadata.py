@@ -45,6 +45,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     top_k: torch.Tensor | None  # [N] int64; vocab_size = off
+    max_top_k: int | None  # the largest top_k of a row that has one (known on the host)
     top_p: torch.Tensor | None  # [N] float32; 1 = off
     min_p: torch.Tensor | None  # [N] float32; 0 = off
     presence_penalties: torch.Tensor | None  # [N] float32; 0 = off
@@ -83,6 +84,7 @@ class SamplingMetadata:
             all_greedy=num_greedy == len(states),
             all_random=num_greedy == 0,
             top_k=_optional(top_k, vocab_size, device, torch.int64),
+            max_top_k=max((k for k in top_k if k < vocab_size), default=None),
             top_p=_optional([p.top_p for p in params], 1.0, device),
             min_p=_optional([p.min_p for p in params], 0.0, device),
             presence_penalties=pres,

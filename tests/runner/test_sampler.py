@@ -11,6 +11,9 @@ from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import (
     Sampler,
     apply_logits_processors,
+    apply_top_k,
+    apply_top_k_top_p,
+    apply_top_k_top_p_candidates,
     compute_prompt_logprobs,
     filtered_probs,
     inverse_cdf,
@@ -19,12 +22,13 @@ from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.sampling_params import SamplingParams
 
 INF = float("inf")
-RANDOM_SAMPLING = ["race"]  # the draw every Sampler below uses (set per test by the fixture)
+SAMPLER = {}  # how every Sampler below draws and filters (set per test by the fixture)
 
 
-@pytest.fixture(autouse=True, params=["race", "inverse_cdf"])
-def random_sampling(request):
-    RANDOM_SAMPLING[0] = request.param
+@pytest.fixture(autouse=True, params=[("race", 0), ("inverse_cdf", 0), ("inverse_cdf", 2)],
+                ids=["race", "inverse_cdf", "inverse_cdf-2-candidates"])
+def sampler_kind(request):
+    SAMPLER.update(random_sampling=request.param[0], top_p_candidates=request.param[1])
     return request.param
 
 
@@ -39,8 +43,7 @@ def build(states, vocab_size) -> SamplingMetadata:
 
 
 def sample(logits, states, seed=0):
-    sampler = Sampler(generator=torch.Generator().manual_seed(seed),
-                      random_sampling=RANDOM_SAMPLING[0])
+    sampler = Sampler(generator=torch.Generator().manual_seed(seed), **SAMPLER)
     return sampler(logits, build(states, logits.shape[1]))
 
 
@@ -212,7 +215,7 @@ def test_unseeded_rows_use_the_generator_given_to_build():
     def draw(seed):
         generator = torch.Generator().manual_seed(seed)
         md = SamplingMetadata.build(states, 1000, "cpu", generator=generator)
-        return Sampler(random_sampling=RANDOM_SAMPLING[0])(logits, md).sampled_token_ids.tolist()
+        return Sampler(**SAMPLER)(logits, md).sampled_token_ids.tolist()
 
     assert draw(1) == draw(1) != draw(2)
 
@@ -268,3 +271,51 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
         assert inverse_cdf(probs, uniforms).tolist() == expected, u
     with pytest.raises(ValueError, match="race or inverse_cdf"):
         Sampler(random_sampling="gumbel")
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
+def test_top_p_among_candidates_keeps_what_the_whole_sort_keeps(kind):
+    """The candidate path keeps the same logits per row as sorting the whole vocabulary (which
+    of several equal logits at the nucleus' edge may differ: both orders are arbitrary), for
+    rows within the candidates and rows sorted whole; top_k alone through a top-k selection
+    keeps exactly what a sort keeps."""
+    gen = torch.Generator().manual_seed(len(kind))
+    for trial in range(40):
+        vocab = int(torch.randint(2, 2000, (1,), generator=gen))
+        logits = {"peaked": lambda: torch.randn(8, vocab, generator=gen) * 5,
+                  "flat": lambda: torch.randn(8, vocab, generator=gen) * 0.1,
+                  "ties": lambda: torch.randint(-2, 3, (8, vocab), generator=gen).float(),
+                  "masked": lambda: torch.randn(8, vocab, generator=gen).masked_fill(
+                      torch.rand(8, vocab, generator=gen) < 0.5, -INF)}[kind]()
+        logits[:, 0] = 0.0  # (a finite logit in every row)
+        top_k = torch.randint(1, vocab + 1, (8,), generator=gen)
+        top_k[torch.rand(8, generator=gen) < 0.3] = vocab  # off
+        top_p = torch.rand(8, generator=gen)
+        top_p[torch.rand(8, generator=gen) < 0.3] = 1.0  # off
+        k = int(torch.randint(1, 300, (1,), generator=gen))
+        for row_top_k in (None, top_k):
+            expected = apply_top_k_top_p(logits, row_top_k, top_p)
+            got = apply_top_k_top_p_candidates(logits, row_top_k, top_p, k)
+            for want, have in zip(expected, got, strict=True):
+                assert torch.equal(want[want.isfinite()].sort().values,
+                                   have[have.isfinite()].sort().values), (trial, k)
+        on = top_k < vocab
+        max_top_k = int(top_k[on].max()) if on.any() else None
+        assert torch.equal(apply_top_k(logits, top_k, max_top_k), apply_top_k(logits, top_k))
+
+
+def test_top_p_sorts_only_the_rows_whose_nucleus_is_not_among_the_candidates(monkeypatch):
+    """A peaked row (its 16 best tokens hold the mass) or a row whose top_k is within the
+    candidates is never sorted whole; a flat row under top_p alone is."""
+    from aserve.runner import sampler
+
+    sorted_rows = []
+    whole_sort = sampler.apply_top_k_top_p
+    monkeypatch.setattr(sampler, "apply_top_k_top_p",
+                        lambda logits, *a: sorted_rows.append(len(logits))
+                        or whole_sort(logits, *a))
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)) * 0.1  # flat
+    logits[0, :8] = 30.0  # peaked
+    top_k = torch.tensor([5000, 12, 5000])  # (5000: off)
+    apply_top_k_top_p_candidates(logits, top_k, torch.tensor([0.9, 0.9, 0.9]), 16)
+    assert sorted_rows == [1]  # the third row only
