@@ -23,9 +23,9 @@ from aserve.engine.arg_utils import EngineArgs
 from aserve.server import ServerConfig, aserve_lifespan, build_app
 
 
-def make_app(model_dir: str, **engine_kwargs) -> FastAPI:
+def make_app(model_dir: str, api_key: str | None = None, **engine_kwargs) -> FastAPI:
     llm_app = build_app(EngineArgs(model=str(model_dir), **engine_kwargs),
-                        ServerConfig(served_model_name="llm"))
+                        ServerConfig(served_model_name="llm", api_key=api_key))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

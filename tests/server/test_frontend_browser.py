@@ -9,21 +9,20 @@ Skipped only where Chromium, its driver or selenium is missing (`.ci/run` instal
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from helpers.browser import chromium_missing, headless_chromium
 from helpers.server import serving
-from starlette.applications import Starlette
-from starlette.routing import Mount
 
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs
-from aserve.server import ServerConfig, aserve_lifespan, build_app
+from aserve.server import ServerConfig, build_app
 
 pytestmark = [
     pytest.mark.spawns,  # uvicorn servers and a Chromium
@@ -55,15 +54,14 @@ def reasoning_server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def keyed_llm_server() -> Iterator[str]:
-    """The app under /llm of a parent, with an API key; yields the parent's URL."""
-    app = demo_app(api_key="secret")
-
-    @contextlib.asynccontextmanager
-    async def lifespan(parent: Starlette) -> AsyncIterator[None]:
-        async with aserve_lifespan(app):
-            yield
-
-    with serving(Starlette(routes=[Mount("/llm", app)], lifespan=lifespan)) as url:
+    """examples/mount_in_fastapi.py: the app under /llm of a FastAPI parent, here with an API
+    key; yields the parent's URL."""
+    pytest.importorskip("fastapi")
+    path = Path(__file__).parents[2] / "examples" / "mount_in_fastapi.py"
+    spec = importlib.util.spec_from_file_location("mount_in_fastapi", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with serving(example.make_app(DEMO_MODEL_DIR, api_key="secret", dtype="float32")) as url:
         yield url
 
 
@@ -125,6 +123,7 @@ def test_a_greeting_streams_a_reply_kept_across_a_reload(server, driver):
     driver.refresh()  # the conversation lives in localStorage
     wait(driver, lambda d: len(css(d, "[data-role]")) == 2)
     assert css(driver, '[data-role="assistant"] .content')[0].text == text
+    assert_same_origin(driver, server)
 
 
 def test_regenerate_replaces_the_last_reply(server, driver):
@@ -242,6 +241,7 @@ def test_the_dashboard_counts_generated_tokens_live(server, driver):
         assert httpx.post(f"{server}/v1/completions", json=body, timeout=30).status_code == 200
     wait(driver, lambda d: generated(d) >= before + 16)
     assert css(driver, "#step-bars rect")  # the steps that made them
+    assert_same_origin(driver, server)
 
 
 def test_under_llm_with_an_api_key_the_pages_ask_for_it_and_use_it(keyed_llm_server, driver):
@@ -249,7 +249,7 @@ def test_under_llm_with_an_api_key_the_pages_ask_for_it_and_use_it(keyed_llm_ser
     form = wait(driver, lambda d: [f for f in css(d, "form.api-key") if f.is_displayed()])[0]
     form.find_element("css selector", "input").send_keys("secret")
     form.find_element("css selector", "button").click()
-    wait(driver, lambda d: DEMO_MODEL_NAME in css(d, "#model")[0].text)
+    wait(driver, lambda d: "llm" in css(d, "#model")[0].text)  # (the example's name)
     send(driver, "Hello")
     reply = last_reply(driver)
     assert reply.find_element("css selector", ".content").text.strip()
@@ -257,3 +257,12 @@ def test_under_llm_with_an_api_key_the_pages_ask_for_it_and_use_it(keyed_llm_ser
     wait(driver, lambda d: css(d, '[data-metric="generation_tokens_total"] .value')[0].text
          not in ("", "0", "–"))
     assert not [f for f in css(driver, "form.api-key") if f.is_displayed()]
+    assert_same_origin(driver, keyed_llm_server)
+
+
+def assert_same_origin(driver, origin: str) -> None:
+    """Every request the open page made (documents, modules, styles, fetches) went to `origin`."""
+    urls = driver.execute_script(
+        "return performance.getEntriesByType('navigation')"
+        ".concat(performance.getEntriesByType('resource')).map(e => e.name)")
+    assert urls and all(url.startswith(origin + "/") for url in urls), urls
