@@ -319,3 +319,21 @@ def test_top_p_sorts_only_the_rows_whose_nucleus_is_not_among_the_candidates(mon
     top_k = torch.tensor([5000, 12, 5000])  # (5000: off)
     apply_top_k_top_p_candidates(logits, top_k, torch.tensor([0.9, 0.9, 0.9]), 16)
     assert sorted_rows == [1]  # the third row only
+
+
+@pytest.mark.parametrize("block", [1, 7, 256])
+def test_inverse_cdf_in_blocks_draws_what_one_whole_cumulative_sum_draws(block):
+    gen = torch.Generator().manual_seed(block)
+    for _ in range(50):
+        vocab = int(torch.randint(1, 2000, (1,), generator=gen))
+        logits = torch.randn(6, vocab, generator=gen) * 3
+        logits[torch.rand(6, vocab, generator=gen) < 0.7] = -INF
+        logits[:, int(torch.randint(0, vocab, (1,), generator=gen))] = 0.0
+        probs = logits.softmax(dim=-1)
+        uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
+        uniforms[:2] = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        target = torch.minimum(uniforms * cdf[:, -1],
+                               torch.nextafter(cdf[:, -1], torch.zeros(6, dtype=torch.float64)))
+        expected = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+        assert torch.equal(inverse_cdf(probs, uniforms, block), expected)

@@ -84,6 +84,12 @@ def css(driver, selector: str):
     return driver.find_elements(By.CSS_SELECTOR, selector)
 
 
+def text_of(driver, selector: str) -> str:
+    """The first match's text, "" while the page has not made it yet (a wait polls this)."""
+    found = css(driver, selector)
+    return found[0].text if found else ""
+
+
 def open_fresh(driver, url: str) -> None:
     """Open `url` with this origin's storage (conversation, key) emptied."""
     driver.get(url)
@@ -232,7 +238,7 @@ def test_the_dashboard_counts_generated_tokens_live(server, driver):
         assert css(driver, f'[data-metric="{metric}"]'), metric
 
     def generated(d) -> int | None:
-        text = css(d, '[data-metric="generation_tokens_total"] .value')[0].text
+        text = text_of(d, '[data-metric="generation_tokens_total"] .value')
         return int(text.replace(",", "")) if text[:1].isdigit() else None
 
     before = wait(driver, lambda d: generated(d) is not None and (generated(d),))[0]
@@ -249,12 +255,12 @@ def test_under_llm_with_an_api_key_the_pages_ask_for_it_and_use_it(keyed_llm_ser
     form = wait(driver, lambda d: [f for f in css(d, "form.api-key") if f.is_displayed()])[0]
     form.find_element("css selector", "input").send_keys("secret")
     form.find_element("css selector", "button").click()
-    wait(driver, lambda d: "llm" in css(d, "#model")[0].text)  # (the example's name)
+    wait(driver, lambda d: "llm" in text_of(d, "#model"))  # (the example's name)
     send(driver, "Hello")
     reply = last_reply(driver)
     assert reply.find_element("css selector", ".content").text.strip()
     driver.get(f"{keyed_llm_server}/llm/dashboard")  # the key is kept for this app's pages
-    wait(driver, lambda d: css(d, '[data-metric="generation_tokens_total"] .value')[0].text
+    wait(driver, lambda d: text_of(d, '[data-metric="generation_tokens_total"] .value')
          not in ("", "0", "–"))
     assert not [f for f in css(driver, "form.api-key") if f.is_displayed()]
     assert_same_origin(driver, keyed_llm_server)
