@@ -79,3 +79,12 @@ def best_time(fn, min_repeats: int = 5, budget_s: float = 0.5) -> float:
         fn()
         best, repeats = min(best, time.perf_counter() - t0), repeats + 1
     return best
+
+
+def emit(result: dict, out: Path | None) -> None:
+    """A benchmark's one JSON line: printed, and written to `out` too when given."""
+    line = json.dumps(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(line + "\n")
+    print(line, flush=True)

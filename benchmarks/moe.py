@@ -49,6 +49,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
+from common import emit  # noqa: E402
 from compare import last_json_line, loadavg, machine, peer_env, rotated  # noqa: E402
 from sliding_window import error_line, init_bf16, save_bf16, write_tokenizer  # noqa: E402
 
@@ -382,11 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernel:
         result["kernel"] = run_kernel(args)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
-    print(line, flush=True)
+    emit(result, args.out)
     return 0
 
 

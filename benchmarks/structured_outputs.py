@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 import serve  # noqa: E402
-from common import free_port, summarize_ms, vocab_size_of  # noqa: E402
+from common import emit, free_port, summarize_ms, vocab_size_of  # noqa: E402
 from compare import Server, begin, loadavg, log, resolve_paths, rotated, server_command  # noqa: E402
 from structured_grammar import SCHEMA, grammar_timings  # noqa: E402
 
@@ -254,11 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     result["grammar"] = grammar_timings(args.model, args.concurrency, args.large_properties,
                                         args.cold_variants, args.seed)
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(result)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(line + "\n")
-    print(line, flush=True)
+    emit(result, args.out)
     return 0
 
 
