@@ -20,8 +20,15 @@ class StepCostModel:
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self._w = self._wx = self._wxx = self._wt = self._wxt = 0.0  # Σ w·(1, x, x², t, x·t)
+        self._is_first = True
 
     def record(self, num_tokens: int, seconds: float) -> None:
+        """One step's scheduled tokens and seconds. The first step is left out: it pays the
+        engine's one-time costs (first touches of buffers and caches), 2-4× a later step of
+        its size, which would teach a fixed cost several times too large."""
+        if self._is_first:
+            self._is_first = False
+            return
         d, x = self.decay, float(num_tokens)
         self._w = d * self._w + 1.0
         self._wx = d * self._wx + x

@@ -48,3 +48,15 @@ def test_old_steps_weigh_less_than_recent_ones() -> None:
     a, b = model.fit()
     assert a == pytest.approx(0.030, rel=0.01)
     assert b == pytest.approx(0.0005, rel=0.01)
+
+
+def test_the_first_step_is_left_out() -> None:
+    model = StepCostModel()
+    model.record(128, 10 * linear(128))  # the engine's first step: one-time costs
+    assert not model.is_timed
+    for i in range(50):
+        num_tokens = (30, 300)[i % 2]
+        model.record(num_tokens, linear(num_tokens))
+    a, b = model.fit()
+    assert a == pytest.approx(0.015, rel=0.01)
+    assert b == pytest.approx(0.00025, rel=0.01)
