@@ -16,6 +16,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
+    # Prefill beside decodes costs at most this many times a step's fixed cost, by the
+    # measured step cost (Scheduler): decodes keep flowing, prefill keeps its speed. 0: no cap.
+    max_prefill_step_ratio: float = 4.0
     policy: str = "fcfs"  # "fcfs" | "priority"
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
     # with a placeholder for the token it has not received yet (see Scheduler).
@@ -32,6 +35,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
+        if self.max_prefill_step_ratio < 0:
+            raise ValueError("max_prefill_step_ratio must be >= 0 (0: off), got "
+                             f"{self.max_prefill_step_ratio}.")
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,8 @@ class RequestRecord:
     ok: bool = False
     error: str = ""
     start_s: float = 0.0  # since the benchmark began
+    start_clock_s: float = 0.0  # time.perf_counter() when sent: TTFT's origin (a Linux server's
+    # time.monotonic() is the same clock)
     ttft_s: float | None = None
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -115,7 +117,7 @@ def request_body(model: str, prompt: list[int] | str, max_tokens: int) -> dict:
 async def send(client: httpx.AsyncClient, endpoint: str, body: dict,
                record: RequestRecord) -> RequestRecord:
     """Stream one completion into `record`; a failure is recorded, never raised."""
-    t0 = last = time.perf_counter()
+    t0 = last = record.start_clock_s = time.perf_counter()
     try:
         async with client.stream("POST", endpoint, json=body) as response:
             if response.status_code != 200:
@@ -313,7 +315,8 @@ def save_raw(path: Path, records: list[RequestRecord]) -> None:
 
 # ---------------------------------------------------------------------------------- main
 
-async def benchmark(args: argparse.Namespace) -> dict:
+async def benchmark(args: argparse.Namespace) -> tuple[dict, list[RequestRecord]]:
+    """The run's JSON figures and its per-request records."""
     cap = args.concurrency if args.request_rate is None else (args.max_concurrency or 1000)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(
@@ -343,7 +346,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
         result.update(prefix_report(args, records, before, after))
     if args.save_raw:
         save_raw(Path(args.save_raw), records)
-    return result
+    return result, records
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -381,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(benchmark(args))
+    result, _ = asyncio.run(benchmark(args))
     print(json.dumps(result), flush=True)
     return 0 if result["failed"] == 0 else 1
 

@@ -9,6 +9,11 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                                                                      SchedulerOutput ◄─────┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
 
+A step that carries decodes keeps them flowing: its prefill tokens are capped at what costs
+`max_prefill_step_ratio` times a step's fixed cost, by a cost model fitted to the steps that
+ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds). A step without
+decodes has the whole budget for prefill.
+
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block
 ids travel as one list per group.
@@ -17,6 +22,7 @@ ids travel as one list per group.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_manager import KVCacheManager
@@ -32,6 +38,23 @@ from aserve.core.outputs import (
 )
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
+from aserve.core.step_cost import StepCostModel
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step's token budget, and of the part of it prefill may take."""
+
+    num_tokens: int
+    num_prefill_tokens: int
+
+    def limit(self, is_prefill: bool) -> int:
+        return min(self.num_tokens, self.num_prefill_tokens) if is_prefill else self.num_tokens
+
+    def spend(self, num_tokens: int, is_prefill: bool) -> None:
+        self.num_tokens -= num_tokens
+        if is_prefill:
+            self.num_prefill_tokens -= num_tokens
 
 
 class Scheduler:
@@ -51,6 +74,7 @@ class Scheduler:
         # Per request asking for prompt logprobs: prompt positions whose rows went out already.
         self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions = 0
+        self.step_cost = StepCostModel()
         self._last_output: SchedulerOutput | None = None
 
     # ------------------------------------------------------------------ requests in and out
@@ -94,12 +118,12 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = StepBudget(self.config.max_num_batched_tokens, self._max_prefill_tokens())
         num_scheduled: dict[str, int] = {}
         new_block_ids: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
 
-        budget = self._schedule_running(budget, num_scheduled, new_block_ids, preempted)
+        self._schedule_running(budget, num_scheduled, new_block_ids, preempted)
         resumed_or_new: list[Request] = []
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, resumed_or_new)
@@ -107,7 +131,7 @@ class Scheduler:
         output = self._make_output(num_scheduled, new_block_ids, resumed_or_new, preempted)
         for req_id, num_tokens in num_scheduled.items():
             request = self.requests[req_id]
-            if num_tokens == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+            if not _is_prefill(request, request.num_computed_tokens, num_tokens):
                 output.num_decode_tokens += 1
             request.num_computed_tokens += num_tokens
             if self.config.async_scheduling and request.num_computed_tokens == (
@@ -116,8 +140,23 @@ class Scheduler:
         self._last_output = output
         return output
 
-    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to give `request` this step: 0 when it must wait for tokens in flight."""
+    def _max_prefill_tokens(self) -> int:
+        """Prefill tokens this step may carry: the whole budget, unless it carries decodes;
+        then what `max_prefill_step_ratio` times a step's fixed cost buys (never under one
+        block, so that prompts move on), or half the budget while the cost model cannot tell
+        it yet (a step of another size than the full ones before teaches it). A runner that
+        reports no step times gets no cap."""
+        budget, ratio = self.config.max_num_batched_tokens, self.config.max_prefill_step_ratio
+        if ratio <= 0 or not self.step_cost.is_timed or not any(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+            return budget
+        cap = self.step_cost.max_prefill_tokens(ratio)
+        return budget // 2 if cap is None else max(cap, self.block_size)
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int,
+                                budget: StepBudget) -> int:
+        """Tokens to give `request` this step: 0 when it must wait for tokens in flight (or
+        for the prefill budget of a later step)."""
         num_pending = request.num_output_placeholders
         if num_pending and (request.num_output_tokens + num_pending >= request.max_tokens
                             or request.num_tokens + num_pending >= self.config.max_model_len
@@ -127,17 +166,17 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
-        return min(num_new, budget)
+        return min(num_new, budget.limit(_is_prefill(request, num_computed, num_new)))
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+    def _schedule_running(self, budget: StepBudget, num_scheduled: dict[str, int],
                           new_block_ids: dict[str, tuple[list[int], ...]],
-                          preempted: list[Request]) -> int:
+                          preempted: list[Request]) -> None:
         if self.config.policy == "priority":
             # Highest priority first, so a victim (the lowest) is never one already scheduled
             # this step: its newly full blocks are in the prefix cache, K/V not yet computed.
             self.running.sort(key=Request.sort_key)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget.num_tokens > 0:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
             if num_new <= 0:
@@ -146,7 +185,10 @@ class Scheduler:
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while block_ids is None:
                 victim = self._pick_victim()
-                budget += num_scheduled.pop(victim.request_id, 0)
+                if victim.request_id in num_scheduled:
+                    num_given = num_scheduled.pop(victim.request_id)
+                    budget.spend(-num_given, _is_prefill(victim, victim.num_computed_tokens,
+                                                         num_given))
                 new_block_ids.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -158,9 +200,8 @@ class Scheduler:
                 continue  # `request` itself was preempted; `index` now points past it
             num_scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = block_ids
-            budget -= num_new
+            budget.spend(num_new, _is_prefill(request, request.num_computed_tokens, num_new))
             index += 1
-        return budget
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":  # on a tie, the one admitted last
@@ -177,14 +218,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+    def _schedule_waiting(self, budget: StepBudget, num_scheduled: dict[str, int],
                           admitted: list[Request]) -> None:
         kv = self.kv_cache_manager
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (len(self.waiting) and budget.num_tokens > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             cached_blocks, num_cached = kv.get_computed_blocks(request)
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
-            if kv.allocate_slots(request, num_new, num_cached, cached_blocks) is None:
+            if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
+                                                 cached_blocks) is None:
                 break
             self.waiting.pop()
             request.num_computed_tokens = num_cached
@@ -194,7 +237,7 @@ class Scheduler:
             self.running.append(request)
             admitted.append(request)
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            budget.spend(num_new, _is_prefill(request, num_cached, num_new))
 
     def _make_output(self, num_scheduled: dict[str, int],
                      new_block_ids: dict[str, tuple[list[int], ...]],
@@ -225,6 +268,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if scheduler_output.total_num_scheduled_tokens:
+            self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
+                                  runner_output.forward_seconds)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = self.requests.get(req_id)
@@ -327,6 +373,12 @@ class Scheduler:
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
             assert len(output.num_scheduled_tokens) <= self.config.max_num_seqs
+
+
+def _is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
+    """Whether `num_new` tokens from `num_computed` on are a prefill chunk (prompt, or the
+    recomputation of a preempted request), not a decode's one token past the prompt."""
+    return num_new > 1 or num_computed < request.num_prompt_tokens
 
 
 def _num_computed_before(scheduler_output: SchedulerOutput, req_id: str) -> int:

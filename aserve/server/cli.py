@@ -55,6 +55,8 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "token budget of one engine step (decodes + prefill chunks) "
                               "(default: the platform's: 512 on CPU, 4096 on GPUs)",
     "long_prefill_token_threshold": "cap one request's prefill chunk per step (0: no cap)",
+    "max_prefill_step_ratio": "in a step that carries decodes, cap prefill tokens at what "
+                              "costs this many times a step's fixed cost, measured (0: no cap)",
     "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",

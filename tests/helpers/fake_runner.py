@@ -26,6 +26,9 @@ real runner silently relies on:
 With `async_scheduling` on, step N's tokens reach the scheduler only after step N+1 has been
 scheduled and executed (as in the engine, where N+1 runs while N's outputs are processed): the
 runner's token list then runs ahead of the scheduler's by the tokens in flight.
+
+`step_seconds(num_prefill_tokens, num_decode_tokens)`, when given, is the duration each step
+reports (the scheduler's step cost model learns from it); by default steps report none.
 """
 
 from __future__ import annotations
@@ -80,9 +83,11 @@ class _RunnerState:
 class FakeRunner:
     """Drives `scheduler` one step at a time and records what each request streamed."""
 
-    def __init__(self, scheduler: Scheduler, token_fn: TokenFn = fake_token) -> None:
+    def __init__(self, scheduler: Scheduler, token_fn: TokenFn = fake_token,
+                 step_seconds: Callable[[int, int], float] | None = None) -> None:
         self.scheduler = scheduler
         self.token_fn = token_fn
+        self.step_seconds = step_seconds
         self.block_size = scheduler.block_size
         self.windows = [g.sliding_window for g in scheduler.kv_cache_manager.groups]
         self.states: dict[str, _RunnerState] = {}
@@ -184,7 +189,13 @@ class FakeRunner:
                 token_id = self.token_fn(req_id, len(state.tokens))
                 state.tokens.append(token_id)
             sampled.append(token_id)
-        return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs)
+        seconds = 0.0
+        if self.step_seconds is not None:
+            num_decode = output.num_decode_tokens
+            seconds = self.step_seconds(output.total_num_scheduled_tokens - num_decode,
+                                        num_decode)
+        return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
+                                 forward_seconds=seconds)
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for req_id in output.finished_req_ids | output.preempted_req_ids:

@@ -1,0 +1,65 @@
+"""`StepCostModel`: what a step costs, learnt from the steps that ran.
+
+    seconds ≈ a + b · scheduled tokens
+
+a is a step's fixed cost (every weight read once, the step's overheads: what a few decodes
+pay), b the cost of one more token. It is fitted by least squares over the recorded steps,
+older ones weighted down by `decay` per step (so the fit follows the load), with a small ridge
+on b so that steps all of one size still give a fit (b then shrinks to zero: unknown). The
+scheduler asks it how many prefill tokens a step that carries decodes may take
+(`max_prefill_tokens`). Pure Python: the seconds come from the runner's output, not a clock
+read here.
+"""
+
+from __future__ import annotations
+
+RIDGE = 1.0  # added to Σ tokens² per unit of weight: one token², nothing at real sizes
+
+
+class StepCostModel:
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self._w = self._wx = self._wxx = self._wt = self._wxt = 0.0  # Σ w·(1, x, x², t, x·t)
+        self._is_first = True
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        """One step's scheduled tokens and seconds. The first step is left out: it pays the
+        engine's one-time costs (first touches of buffers and caches), 2-4× a later step of
+        its size, which would teach a fixed cost several times too large."""
+        if self._is_first:
+            self._is_first = False
+            return
+        d, x = self.decay, float(num_tokens)
+        self._w = d * self._w + 1.0
+        self._wx = d * self._wx + x
+        self._wxx = d * self._wxx + x * x
+        self._wt = d * self._wt + seconds
+        self._wxt = d * self._wxt + x * seconds
+
+    @property
+    def is_timed(self) -> bool:
+        """Whether any recorded step took time (a fake runner's take none)."""
+        return self._wt > 0
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b): seconds per step, seconds per token; None before any step."""
+        if self._w <= 0:
+            return None
+        sxx = self._wxx + RIDGE * self._w
+        det = self._w * sxx - self._wx * self._wx
+        b = (self._w * self._wxt - self._wx * self._wt) / det
+        return (self._wt - b * self._wx) / self._w, b
+
+    def max_prefill_tokens(self, ratio: float) -> int | None:
+        """The prefill tokens that cost `ratio` times a step's fixed cost: beside decodes, a
+        chunk that large keeps the step within (1 + ratio) times the decodes alone, and runs at
+        ratio / (1 + ratio) of the speed of a chunk as large as the budget allows, or better.
+        None while that is unknown (no steps of different sizes yet, or a fit that makes
+        either cost zero or less)."""
+        coefficients = self.fit()
+        if coefficients is None:
+            return None
+        a, b = coefficients
+        if a <= 0 or b <= 0:
+            return None
+        return int(ratio * a / b)

@@ -1,0 +1,155 @@
+"""The prefill budget: a step that carries decodes takes at most the prefill tokens that cost
+`max_prefill_step_ratio` times a step's fixed cost, by the step cost model; a step without
+decodes keeps the whole token budget. Driven through `FakeRunner` (which checks the K/V
+every request reads), with a stub cost model where a test fixes the cap, and the real one fed
+by a synthetic step duration where it learns it."""
+
+from __future__ import annotations
+
+from helpers.fake_runner import FakeRunner
+from helpers.requests import make_request
+
+from aserve.config import CacheConfig, SchedulerConfig
+from aserve.core.scheduler import Scheduler
+
+BS = 4
+
+
+class FixedCap:
+    """A cost model that allows `cap` prefill tokens beside any decodes; records what it is fed."""
+
+    def __init__(self, cap: int | None) -> None:
+        self.cap = cap
+        self.recorded: list[tuple[int, float]] = []
+        self.asked: list[float] = []
+        self.is_timed = True
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.recorded.append((num_tokens, seconds))
+
+    def max_prefill_tokens(self, ratio: float) -> int | None:
+        self.asked.append(ratio)
+        return self.cap
+
+
+def make_scheduler(*, ratio: float = 2.0, budget: int = 64, async_scheduling: bool = False,
+                   cost=None) -> Scheduler:
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=128,
+                        max_prefill_step_ratio=ratio, async_scheduling=async_scheduling),
+        CacheConfig(block_size=BS, num_blocks=129))
+    if cost is not None:
+        scheduler.step_cost = cost
+    return scheduler
+
+
+def prompt(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def run(scheduler: Scheduler, *requests, **runner_kwargs) -> FakeRunner:
+    for request in requests:
+        scheduler.add_request(request)
+    return FakeRunner(scheduler, lambda req_id, position: 100 + position, **runner_kwargs)
+
+
+def schedule_of(runner: FakeRunner) -> dict[str, int]:
+    output, _ = runner.step()
+    return dict(output.num_scheduled_tokens)
+
+
+def test_prefill_beside_decodes_is_capped_and_the_decodes_all_run() -> None:
+    cost = FixedCap(10)
+    scheduler = make_scheduler(cost=cost)
+    runner = run(scheduler, make_request("a", prompt(1, 8), max_tokens=8),
+                 make_request("b", prompt(20, 8), max_tokens=8))
+    assert schedule_of(runner) == {"a": 8, "b": 8}  # no decodes yet: the whole budget
+    scheduler.add_request(make_request("c", prompt(40, 30), max_tokens=4))
+    scheduler.add_request(make_request("d", prompt(80, 30), max_tokens=4))
+    assert schedule_of(runner) == {"a": 1, "b": 1, "c": 10}  # d waits for a later step
+    assert schedule_of(runner) == {"a": 1, "b": 1, "c": 10}
+    assert schedule_of(runner) == {"a": 1, "b": 1, "c": 10}
+    assert schedule_of(runner) == {"a": 1, "b": 1, "c": 1, "d": 10}  # c now decodes
+    assert cost.asked[-1] == 2.0
+    runner.run_until_done()
+    for req_id, n in (("a", 8), ("b", 8), ("c", 30), ("d", 30)):
+        assert runner.streamed[req_id] == [100 + n + i for i in range(8 if n == 8 else 4)]
+
+
+def test_the_cap_is_never_under_one_block() -> None:
+    scheduler = make_scheduler(cost=FixedCap(1))
+    runner = run(scheduler, make_request("a", prompt(1, 4), max_tokens=4))
+    schedule_of(runner)
+    scheduler.add_request(make_request("b", prompt(20, 12), max_tokens=2))
+    assert schedule_of(runner) == {"a": 1, "b": BS}
+
+
+def test_without_a_ratio_prefill_has_the_whole_budget() -> None:
+    scheduler = make_scheduler(ratio=0, cost=FixedCap(10))
+    runner = run(scheduler, make_request("a", prompt(1, 4), max_tokens=4))
+    schedule_of(runner)
+    scheduler.add_request(make_request("b", prompt(20, 40), max_tokens=2))
+    assert schedule_of(runner) == {"a": 1, "b": 40}
+
+
+def test_a_runner_that_reports_no_step_times_gets_no_cap() -> None:
+    scheduler = make_scheduler()
+    runner = run(scheduler, make_request("a", prompt(1, 4), max_tokens=4))
+    schedule_of(runner)  # the fake runner's steps take no time
+    scheduler.add_request(make_request("b", prompt(20, 60), max_tokens=2))
+    assert not scheduler.step_cost.is_timed
+    assert schedule_of(runner) == {"a": 1, "b": 60}
+
+
+def test_while_the_cost_is_unknown_prefill_beside_decodes_has_half_the_budget() -> None:
+    scheduler = make_scheduler(cost=FixedCap(None))
+    runner = run(scheduler, make_request("a", prompt(1, 4), max_tokens=4))
+    schedule_of(runner)
+    scheduler.add_request(make_request("b", prompt(20, 60), max_tokens=2))
+    assert schedule_of(runner) == {"a": 1, "b": 32}
+
+
+def test_the_scheduler_feeds_its_cost_model_each_step_composition() -> None:
+    cost = FixedCap(None)
+    scheduler = make_scheduler(cost=cost)
+    runner = run(scheduler, make_request("a", prompt(1, 6), max_tokens=3),
+                 step_seconds=lambda p, d: 0.5 + p + 10 * d)
+    runner.run_until_done()
+    assert cost.recorded == [(6, 6.5), (1, 10.5), (1, 10.5)]
+
+
+def step_seconds(num_prefill: int, num_decode: int) -> float:
+    return 0.020 + 0.001 * (num_prefill + num_decode)  # a fixed cost of 20 tokens
+
+
+def run_staggered(ratio: float, async_scheduling: bool) -> tuple[list[int], FakeRunner]:
+    """Six requests arriving over the first steps; every mixed step's prefill tokens."""
+    requests = [make_request(f"r{i}", prompt(1 + 50 * i, 9 + 7 * i), max_tokens=12)
+                for i in range(6)]
+    scheduler = make_scheduler(ratio=ratio, async_scheduling=async_scheduling, budget=48)
+    runner = run(scheduler, *requests[:2], step_seconds=step_seconds)
+    arrivals = {3: requests[2], 5: requests[3], 6: requests[4], 9: requests[5]}
+    mixed = []
+    for step in range(200):
+        if step in arrivals:
+            scheduler.add_request(arrivals[step])
+        if step > 9 and not scheduler.has_unfinished_requests():
+            break
+        output, _ = runner.step()
+        num_decode = output.num_decode_tokens
+        if num_decode and output.total_num_scheduled_tokens > num_decode:
+            mixed.append(output.total_num_scheduled_tokens - num_decode)
+    return mixed, runner
+
+
+def test_a_learnt_cost_bounds_every_mixed_step_and_outputs_are_unchanged() -> None:
+    for async_scheduling in (False, True):
+        uncapped, free_runner = run_staggered(0, async_scheduling)
+        capped, runner = run_staggered(1.0, async_scheduling)  # one fixed cost: 20 tokens
+        assert max(uncapped) > 30
+        assert capped[0] <= 48 // 2  # half the budget while the fit cannot tell
+        assert max(capped[1:]) <= 21  # then what one fixed cost buys, learnt as it goes
+        assert runner.streamed == free_runner.streamed
+        assert set(runner.streamed) == {f"r{i}" for i in range(6)}
+        for i in range(6):
+            assert runner.streamed[f"r{i}"] == [100 + 9 + 7 * i + k for k in range(12)]
