@@ -34,7 +34,6 @@ from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rope_ref
 from aserve.kernels.store_kv import store_kv_ref
 
-
 # Sampling on the host's cores: exponential draws and whole-vocabulary sorts are slow there,
 # and reading a device value is free (`KernelOps.random_sampling`, `top_p_candidates`).
 HOST_SAMPLING = {"random_sampling": "inverse_cdf", "top_p_candidates": 256}

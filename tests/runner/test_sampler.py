@@ -273,6 +273,17 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero():
         Sampler(random_sampling="gumbel")
 
 
+def make_logits(kind: str, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "peaked":
+        return torch.randn(8, vocab, generator=gen) * 5
+    if kind == "flat":
+        return torch.randn(8, vocab, generator=gen) * 0.1
+    if kind == "ties":
+        return torch.randint(-2, 3, (8, vocab), generator=gen).float()
+    return torch.randn(8, vocab, generator=gen).masked_fill(  # masked
+        torch.rand(8, vocab, generator=gen) < 0.5, -INF)
+
+
 @pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
 def test_top_p_among_candidates_keeps_what_the_whole_sort_keeps(kind):
     """The candidate path keeps the same logits per row as sorting the whole vocabulary (which
@@ -282,11 +293,7 @@ def test_top_p_among_candidates_keeps_what_the_whole_sort_keeps(kind):
     gen = torch.Generator().manual_seed(len(kind))
     for trial in range(40):
         vocab = int(torch.randint(2, 2000, (1,), generator=gen))
-        logits = {"peaked": lambda: torch.randn(8, vocab, generator=gen) * 5,
-                  "flat": lambda: torch.randn(8, vocab, generator=gen) * 0.1,
-                  "ties": lambda: torch.randint(-2, 3, (8, vocab), generator=gen).float(),
-                  "masked": lambda: torch.randn(8, vocab, generator=gen).masked_fill(
-                      torch.rand(8, vocab, generator=gen) < 0.5, -INF)}[kind]()
+        logits = make_logits(kind, vocab, gen)
         logits[:, 0] = 0.0  # (a finite logit in every row)
         top_k = torch.randint(1, vocab + 1, (8,), generator=gen)
         top_k[torch.rand(8, generator=gen) < 0.3] = vocab  # off
