@@ -176,24 +176,20 @@ class GrammarMatcher:
         ended (its text complete, nothing may follow) allows only the stop tokens: the request
         ends there with EOS. Before its start (a reasoning model still thinking) the row stays
         as it is: every token allowed."""
-        _check_bitmask(bitmask)
-        if not self._fill_without_llguidance(bitmask, row):
-            # llguidance writes the row through a raw pointer (llguidance.torch's wrapper of
-            # this call would import torch._dynamo, ~1.5 s on the first constrained step)
-            self._matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * bitmask.shape[1])
-
-    def _fill_without_llguidance(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Fill the row when it needs no mask of llguidance's (waiting: every token; ended:
-        the stop tokens); False if it does."""
         matcher = self._llmatcher()
         if self._waiting:
-            return True
-        if not matcher.is_stopped():
-            return False
-        bitmask[row] = 0
-        for token_id in self._compiled.tokenizer.eos_tokens:
-            bitmask[row, token_id // 32] |= _bit(token_id % 32)
-        return True
+            return
+        if matcher.is_stopped():
+            bitmask[row] = 0
+            for token_id in self._compiled.tokenizer.eos_tokens:
+                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+            return
+        # llguidance writes the row through a raw pointer (llguidance.torch's wrapper of this
+        # call would import torch._dynamo, ~1.5 s on the first constrained step)
+        if not (bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
+                and bitmask.dim() == 2 and bitmask.is_contiguous()):
+            raise ValueError("a token bitmask is a contiguous int32 [rows, words] CPU tensor")
+        matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * bitmask.shape[1])
 
     def allows(self, token_id: int) -> bool:
         """Whether `token_id` may come next (what `fill_bitmask` would allow), without
@@ -230,12 +226,6 @@ def fill_token_bitmask(matchers: list[GrammarMatcher], vocab_size: int,
             if held.any():
                 bitmask[row] = held
     return bitmask
-
-
-def _check_bitmask(bitmask: torch.Tensor) -> None:
-    if not (bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
-            and bitmask.dim() == 2 and bitmask.is_contiguous()):
-        raise ValueError("a token bitmask is a contiguous int32 [rows, words] CPU tensor")
 
 
 def _bit(j: int) -> int:
