@@ -17,6 +17,13 @@ decodes has the whole budget for prefill.
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block
 ids travel as one list per group.
+
+With a KV connector (`core/kv_connector.py`, injected by the engine) a waiting request may
+have KV to load: it gets its blocks, waits in `waiting_for_remote_kvs` (status
+WAITING_FOR_REMOTE_KVS) while the workers load them, and goes back to the front of the queue
+once loaded (or, after a failed load, to be computed from scratch). Blocks the workers still
+use after their request ended (sent to a peer; an abort while loading) stay allocated in
+`held_for_workers` until the workers report them done.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_manager import KVCacheManager
+from aserve.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.outputs import (
     CachedRequestData,
@@ -58,7 +66,8 @@ class StepBudget:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         if cache_config.num_blocks < 1:
             raise ValueError("CacheConfig.num_blocks must be set before building the scheduler.")
         self.config = scheduler_config
@@ -76,6 +85,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = StepCostModel()
         self._last_output: SchedulerOutput | None = None
+        self.connector = kv_connector
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # their blocks being loaded
+        self.held_for_workers: dict[str, Request] = {}  # finished; blocks still in use
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.num_kv_load_failures = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_seconds = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -93,27 +110,46 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif loading:
+                del self.waiting_for_remote_kvs[req_id]
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free(request)
+            self._free(request, loading)
             finished.append(request)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
-        self.num_prompt_logprobs_sent.pop(request.request_id, None)
-        del self.requests[request.request_id]
+    def _free(self, request: Request, loading: bool = False) -> dict | None:
+        """Forget a finished request; free its blocks unless the workers still use them
+        (loading into them, or the connector sends them: `held_for_workers`). Returns the
+        connector's `kv_transfer_params` for the client."""
+        req_id, params, delay = request.request_id, None, loading
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id))
+            delay = delay or delay_free
+        if delay:
+            self.held_for_workers[req_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(req_id)
+        self.num_prompt_logprobs_sent.pop(req_id, None)
+        del self.requests[req_id]
+        return params
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
+
+    def has_kv_transfers(self) -> bool:
+        """Finished requests whose blocks the workers still send or load into."""
+        return bool(self.held_for_workers)
 
     # ------------------------------------------------------------------ schedule
 
@@ -137,6 +173,8 @@ class Scheduler:
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # it samples: a token is on its way
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._last_output = output
         return output
 
@@ -214,6 +252,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
+        request.num_external_computed_tokens = 0  # loaded K/V gone too: recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -224,11 +263,24 @@ class Scheduler:
         while (len(self.waiting) and budget.num_tokens > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            cached_blocks, num_cached = kv.get_computed_blocks(request)
+            if kv.holds_blocks(request.request_id):  # its K/V loaded by the connector
+                cached_blocks, num_cached = None, request.num_computed_tokens
+            else:
+                cached_blocks, num_cached = kv.get_computed_blocks(request)
+                num_external = self._num_external_tokens(request, num_cached)
+                if num_external:
+                    if not self._start_remote_load(request, num_cached, cached_blocks,
+                                                   num_external):
+                        break
+                    continue
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
-            if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
-                                                 cached_blocks) is None:
+            if num_new <= 0 or kv.allocate_slots(
+                    request, num_new, num_cached - request.num_computed_tokens,
+                    cached_blocks) is None:
                 break
+            if self.connector is not None and cached_blocks is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), 0)
             self.waiting.pop()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -238,6 +290,71 @@ class Scheduler:
             admitted.append(request)
             num_scheduled[request.request_id] = num_new
             budget.spend(num_new, _is_prefill(request, num_cached, num_new))
+
+    # ------------------------------------------------------------------ remote KV
+
+    def _num_external_tokens(self, request: Request, num_cached: int) -> int:
+        """Tokens past the local hit the connector can load (0: none, or not to be asked)."""
+        if (self.connector is None or request.kv_load_failed
+                or request.sampling_params.prompt_logprobs is not None):
+            return 0
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request,
+                                                                             num_cached)
+        if num_external and not load_async:
+            raise ValueError("the scheduler supports only asynchronous KV loads.")
+        self.external_prefix_cache_queries += request.num_tokens
+        return num_external
+
+    def _start_remote_load(self, request: Request, num_cached: int, cached_blocks,
+                           num_external: int) -> bool:
+        """Allocate the request's blocks and let the workers load them; False (nothing
+        changed) when blocks are short. When nothing could ever free blocks, the request
+        gives the load up and is computed here instead (counted as a failed load)."""
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, 0, num_cached, cached_blocks,
+                             num_external_tokens=num_external) is None:
+            if self.running or self.waiting_for_remote_kvs or self.held_for_workers:
+                return False
+            request.kv_load_failed = True
+            self.num_kv_load_failures += 1
+            return True  # peeked again: admitted as a local computation
+        self.waiting.pop()
+        request.num_computed_tokens = num_cached
+        request.num_external_computed_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote_kvs[request.request_id] = request
+        self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id),
+                                                num_external)
+        return True
+
+    def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> None:
+        """Free what the workers are done with; loaded requests wait again, at the front,
+        with their K/V computed but the last token (the model must produce its logits)."""
+        self.kv_transfer_bytes += kv_output.num_bytes
+        self.kv_transfer_seconds += kv_output.seconds
+        done = kv_output.finished_sending | kv_output.finished_recving | kv_output.failed_recving
+        for req_id in done:
+            held = self.held_for_workers.pop(req_id, None)
+            if held is not None:
+                self.kv_cache_manager.free(held)
+        for req_id in sorted(kv_output.finished_recving | kv_output.failed_recving,
+                             reverse=True):  # prepended: the queue ends up in id order
+            request = self.waiting_for_remote_kvs.pop(req_id, None)
+            if request is None:
+                continue
+            if req_id in kv_output.failed_recving:
+                self.kv_cache_manager.free(request)
+                request.num_computed_tokens = request.num_external_computed_tokens = 0
+                request.kv_load_failed = True
+                self.num_kv_load_failures += 1
+            else:
+                request.num_computed_tokens = min(
+                    request.num_computed_tokens + request.num_external_computed_tokens,
+                    request.num_tokens - 1)
+                self.kv_cache_manager.cache_loaded_blocks(request, request.num_computed_tokens)
+                self.external_prefix_cache_hits += request.num_external_computed_tokens
+            request.status = RequestStatus.WAITING
+            self.waiting.prepend(request)
 
     def _make_output(self, num_scheduled: dict[str, int],
                      new_block_ids: dict[str, tuple[list[int], ...]],
@@ -268,6 +385,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if runner_output.kv_connector_output is not None:
+            self._update_from_kv_output(runner_output.kv_connector_output)
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
                                   runner_output.forward_seconds)
@@ -287,12 +406,14 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             request.append_output_token_ids([token_id])
+            kv_transfer_params = None
             if self._check_stop(request, token_id):
                 self.running.remove(request)
-                self._free(request)
+                kv_transfer_params = self._free(request)
             outputs.append(EngineCoreOutput(
                 req_id, [token_id], runner_output.logprobs.get(req_id), prompt_logprobs,
-                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
+                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
+                kv_transfer_params))
         return outputs
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
@@ -335,6 +456,12 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            num_kv_load_failures=self.num_kv_load_failures,
+            kv_transfer_bytes=self.kv_transfer_bytes,
+            kv_transfer_seconds=self.kv_transfer_seconds,
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -347,8 +474,12 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
+        remote_ids = set(self.waiting_for_remote_kvs)
         assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
+        assert not (running_ids | waiting_ids) & remote_ids, "a loading request is queued"
+        assert running_ids | waiting_ids | remote_ids == set(self.requests), (
+            "request table out of sync")
+        assert not set(self.held_for_workers) & set(self.requests), "a held request runs"
         assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
         max_blocks = [max_blocks_per_request(g, self.config.max_model_len,
                                              self.config.max_num_batched_tokens)
@@ -367,8 +498,16 @@ class Scheduler:
             assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
-            assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
             assert request.num_output_placeholders == 0, request
+            if request.num_external_computed_tokens == 0:  # else: its loaded K/V, held
+                assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
+        for request in self.waiting_for_remote_kvs.values():
+            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request
+            num_loaded = request.num_computed_tokens + request.num_external_computed_tokens
+            for block_ids in kv.get_block_ids(request.request_id):
+                assert len(block_ids) * self.block_size >= num_loaded, request
+        for req_id in self.held_for_workers:
+            assert kv.holds_blocks(req_id), f"held {req_id} holds no blocks"
         output = self._last_output
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
