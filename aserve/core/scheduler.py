@@ -87,6 +87,7 @@ class Scheduler:
         self._last_output: SchedulerOutput | None = None
         self.connector = kv_connector
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # their blocks being loaded
+        self.loaded: list[Request] = []  # loaded, waiting to run (holding their blocks)
         self.held_for_workers: dict[str, Request] = {}  # finished; blocks still in use
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
@@ -115,6 +116,8 @@ class Scheduler:
                 self.running.remove(request)
             elif loading:
                 del self.waiting_for_remote_kvs[req_id]
+            elif request in self.loaded:
+                self.loaded.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -142,7 +145,8 @@ class Scheduler:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
+        return (len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
+                + len(self.loaded))
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
@@ -259,37 +263,65 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: StepBudget, num_scheduled: dict[str, int],
                           admitted: list[Request]) -> None:
+        self._admit_loaded(budget, num_scheduled, admitted)
         kv = self.kv_cache_manager
         while (len(self.waiting) and budget.num_tokens > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
-            if kv.holds_blocks(request.request_id):  # its K/V loaded by the connector
-                cached_blocks, num_cached = None, request.num_computed_tokens
-            else:
-                cached_blocks, num_cached = kv.get_computed_blocks(request)
-                num_external = self._num_external_tokens(request, num_cached)
-                if num_external:
-                    if not self._start_remote_load(request, num_cached, cached_blocks,
-                                                   num_external):
-                        break
-                    continue
+            cached_blocks, num_cached = kv.get_computed_blocks(request)
+            num_external = self._num_external_tokens(request, num_cached)
+            if num_external:
+                if not self._start_remote_load(request, num_cached, cached_blocks,
+                                               num_external):
+                    break
+                continue
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
-            if num_new <= 0 or kv.allocate_slots(
-                    request, num_new, num_cached - request.num_computed_tokens,
-                    cached_blocks) is None:
+            if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
+                                                 cached_blocks) is None:
                 break
-            if self.connector is not None and cached_blocks is not None:
+            if self.connector is not None:
                 self.connector.update_state_after_alloc(
                     request, kv.get_block_ids(request.request_id), 0)
+                if not request.kv_load_failed and request.sampling_params.prompt_logprobs is None:
+                    self.external_prefix_cache_queries += request.num_tokens  # (asked: none)
             self.waiting.pop()
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            admitted.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget.spend(num_new, _is_prefill(request, num_cached, num_new))
+            self._admit(request, num_cached, num_new, budget, num_scheduled, admitted)
+
+    def _admit(self, request: Request, num_computed: int, num_new: int, budget: StepBudget,
+               num_scheduled: dict[str, int], admitted: list[Request]) -> None:
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        admitted.append(request)
+        num_scheduled[request.request_id] = num_new
+        budget.spend(num_new, _is_prefill(request, num_computed, num_new))
+
+    def _admit_loaded(self, budget: StepBudget, num_scheduled: dict[str, int],
+                      admitted: list[Request]) -> None:
+        """Requests whose K/V a connector loaded go first: they hold their blocks already.
+        One that cannot grow while nothing runs (nothing would free a block) gives its blocks
+        back — they stay prefix hits — and waits as any request, so that loaded requests
+        never hold the cache between them."""
+        kv = self.kv_cache_manager
+        while (self.loaded and budget.num_tokens > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.loaded[0]
+            num_computed = request.num_computed_tokens
+            num_new = self._num_tokens_to_schedule(request, num_computed, budget)
+            if num_new <= 0:
+                return
+            if kv.allocate_slots(request, num_new) is None:
+                if self.running:
+                    return
+                del self.loaded[0]
+                kv.free(request)
+                request.num_computed_tokens = request.num_external_computed_tokens = 0
+                self.waiting.prepend(request)
+                continue
+            del self.loaded[0]
+            self._admit(request, num_computed, num_new, budget, num_scheduled, admitted)
 
     # ------------------------------------------------------------------ remote KV
 
@@ -302,7 +334,6 @@ class Scheduler:
                                                                              num_cached)
         if num_external and not load_async:
             raise ValueError("the scheduler supports only asynchronous KV loads.")
-        self.external_prefix_cache_queries += request.num_tokens
         return num_external
 
     def _start_remote_load(self, request: Request, num_cached: int, cached_blocks,
@@ -319,6 +350,7 @@ class Scheduler:
             self.num_kv_load_failures += 1
             return True  # peeked again: admitted as a local computation
         self.waiting.pop()
+        self.external_prefix_cache_queries += request.num_tokens
         request.num_computed_tokens = num_cached
         request.num_external_computed_tokens = num_external
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -328,8 +360,9 @@ class Scheduler:
         return True
 
     def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> None:
-        """Free what the workers are done with; loaded requests wait again, at the front,
-        with their K/V computed but the last token (the model must produce its logits)."""
+        """Free what the workers are done with; loaded requests wait to run (`loaded`, ahead
+        of `waiting`), their K/V computed but the last token's (the model must produce its
+        logits); failed ones wait again, at the front, to be computed from scratch."""
         self.kv_transfer_bytes += kv_output.num_bytes
         self.kv_transfer_seconds += kv_output.seconds
         done = kv_output.finished_sending | kv_output.finished_recving | kv_output.failed_recving
@@ -337,24 +370,24 @@ class Scheduler:
             held = self.held_for_workers.pop(req_id, None)
             if held is not None:
                 self.kv_cache_manager.free(held)
-        for req_id in sorted(kv_output.finished_recving | kv_output.failed_recving,
-                             reverse=True):  # prepended: the queue ends up in id order
+        for req_id in sorted(kv_output.finished_recving | kv_output.failed_recving):
             request = self.waiting_for_remote_kvs.pop(req_id, None)
             if request is None:
                 continue
+            request.status = RequestStatus.WAITING
             if req_id in kv_output.failed_recving:
                 self.kv_cache_manager.free(request)
                 request.num_computed_tokens = request.num_external_computed_tokens = 0
                 request.kv_load_failed = True
                 self.num_kv_load_failures += 1
-            else:
-                request.num_computed_tokens = min(
-                    request.num_computed_tokens + request.num_external_computed_tokens,
-                    request.num_tokens - 1)
-                self.kv_cache_manager.cache_loaded_blocks(request, request.num_computed_tokens)
-                self.external_prefix_cache_hits += request.num_external_computed_tokens
-            request.status = RequestStatus.WAITING
-            self.waiting.prepend(request)
+                self.waiting.prepend(request)
+                continue
+            request.num_computed_tokens = min(
+                request.num_computed_tokens + request.num_external_computed_tokens,
+                request.num_tokens - 1)
+            self.kv_cache_manager.cache_loaded_blocks(request, request.num_computed_tokens)
+            self.external_prefix_cache_hits += request.num_external_computed_tokens
+            self.loaded.append(request)
 
     def _make_output(self, num_scheduled: dict[str, int],
                      new_block_ids: dict[str, tuple[list[int], ...]],
@@ -474,7 +507,7 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
-        remote_ids = set(self.waiting_for_remote_kvs)
+        remote_ids = set(self.waiting_for_remote_kvs) | {r.request_id for r in self.loaded}
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert not (running_ids | waiting_ids) & remote_ids, "a loading request is queued"
         assert running_ids | waiting_ids | remote_ids == set(self.requests), (
@@ -498,9 +531,11 @@ class Scheduler:
             assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
             assert request.num_output_placeholders == 0, request
-            if request.num_external_computed_tokens == 0:  # else: its loaded K/V, held
-                assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
+        for request in self.loaded:
+            assert request.status == RequestStatus.WAITING and request.num_external_computed_tokens
+            assert kv.holds_blocks(request.request_id), f"loaded {request} holds no blocks"
         for request in self.waiting_for_remote_kvs.values():
             assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request
             num_loaded = request.num_computed_tokens + request.num_external_computed_tokens

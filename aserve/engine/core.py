@@ -176,6 +176,16 @@ class EngineCore:
                                  num_decode, runner_output.forward_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def step_kv_transfers(self) -> None:
+        """One step of the KV connector alone, waited for (steps in flight first): the
+        workers learn of the transfers the last steps started (a producer's handles) and
+        report the ones done. For the offline `LLM`, which steps only inside `generate`."""
+        while self._in_flight:
+            scheduler_output, future = self._in_flight.popleft()
+            self._update(scheduler_output, future.result())
+        scheduler_output = self.scheduler.schedule()
+        self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

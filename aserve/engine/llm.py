@@ -7,12 +7,13 @@ all are finished, return outputs in input order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
-from aserve.engine.core import EngineCore
+from aserve.engine.core import KV_IDLE_POLL_S, EngineCore
 from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
@@ -83,7 +84,20 @@ class LLM:
         request_ids = [self._add_request(p, sp, prio)
                        for p, sp, prio in zip(processed, params, priority, strict=True)]
         results = {r.request_id: r for r in self._run_engine()}
+        if self.engine_core.scheduler.has_kv_transfers():
+            self.engine_core.step_kv_transfers()  # a producer's blocks: ready to be pulled
         return [results[request_id] for request_id in request_ids]
+
+    def wait_for_kv_transfers(self, timeout: float | None = None) -> bool:
+        """A KV producer: step until every block held for a consumer has been pulled, or
+        given up (its lease expired); False if some are still held after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.engine_core.scheduler.has_kv_transfers():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.engine_core.step_kv_transfers()
+            time.sleep(KV_IDLE_POLL_S)
+        return True
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
