@@ -263,7 +263,7 @@ class P2pConnector(KVConnectorBase):
     def shutdown(self) -> None:
         self._closed = True
         if self._listener is not None:
-            self._listener.close()
+            _close(self._listener)  # (shutdown first: a bare close leaves accept() blocked)
         with self._lock:
             for sock in list(self._sockets):
                 _close(sock)
@@ -279,6 +279,9 @@ class P2pConnector(KVConnectorBase):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if self._closed:
+                _close(sock)
+                return
             with self._lock:
                 self._sockets.add(sock)
             threading.Thread(target=self._serve, args=(sock,), name="aserve-kv-send",

@@ -178,6 +178,9 @@ class _GenerationRequest(StructuredOutputFields):
     priority: Int64 = 0
     prompt_logprobs: LogprobCount | None = None
     cache_salt: None = None  # not supported yet: refused rather than silently ignored
+    # Disaggregated prefill (vLLM's): what the server's KV connector reads of this request,
+    # checked against it (no connector, or keys it does not know: a 400)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -233,7 +236,8 @@ class _GenerationRequest(StructuredOutputFields):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(),
+            kv_transfer_params=self.kv_transfer_params)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -277,6 +281,14 @@ class CompletionRequest(_GenerationRequest):
         if value is not None and value != _or(info.data.get("n"), 1):
             raise ValueError(f"best_of must be unset or equal to n; best_of={value} with "
                              f"n={_or(info.data.get('n'), 1)} is not supported.")
+        return value
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _kv_transfer_params_for_one_prompt(cls, value: Any, info: ValidationInfo) -> Any:
+        prompt = info.data.get("prompt")
+        if value is not None and prompt is not None and not _is_single_prompt(prompt):
+            raise ValueError("kv_transfer_params works with a single prompt only.")
         return value
 
     def prompts(self) -> list[str | list[int]]:
