@@ -15,6 +15,7 @@ import shutil
 import time
 
 import pytest
+from helpers.disagg import ProducerProcess
 from helpers.hf_models import hf_greedy
 from helpers.server import free_port
 
@@ -219,3 +220,33 @@ def test_sliding_window_model_through_each_connector(sliding_dir_factory, tmp_pa
         assert stats.external_prefix_cache_hits > 0 and stats.num_kv_load_failures == 0
         assert producer.wait_for_kv_transfers(timeout=30)
         assert producer.stats().kv_cache_usage == 0 and stats.kv_cache_usage == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("connector", ["SharedStorageConnector", "P2pConnector"])
+def test_tp2_producer_and_consumer_move_each_ranks_heads(llama, tmp_path, connector):
+    """Each rank moves its own kv heads (a rank's files, a rank's pull); rank 0 counts a
+    transfer finished once both ranks have reported it. The producer runs in a process of
+    its own (one default process group per process)."""
+    model_dir, prompts, expected = llama
+    if connector == "P2pConnector":
+        produce, consume = p2p("kv_producer", free_port()), p2p("kv_consumer", free_port())
+    else:
+        produce, consume = storage(tmp_path, "kv_producer"), storage(tmp_path, "kv_consumer")
+    kwargs = dict(dtype="float32", block_size=BS, tensor_parallel_size=2)
+    producer = ProducerProcess(model_dir, dict(kwargs, kv_transfer_config=produce), prompts)
+    try:
+        params = producer.params()
+        with LLM(str(model_dir), kv_transfer_config=consume, **kwargs) as consumer:
+            assert decode(consumer, prompts, params) == expected
+            stats = consumer.stats()
+            loaded = (sum(PROMPT_LENS) if connector == "P2pConnector"
+                      else sum((n - 1) // BS * BS for n in PROMPT_LENS))
+            assert stats.external_prefix_cache_hits == loaded
+            assert stats.num_kv_load_failures == 0 and stats.kv_cache_usage == 0
+        assert producer.finish() == (True, 0.0)
+    finally:
+        producer.kill()
+    if connector == "SharedStorageConnector":
+        names = {p.name.split(".")[1] for p in tmp_path.rglob("*.safetensors")}
+        assert names == {"rank0", "rank1"}
