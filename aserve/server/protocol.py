@@ -283,13 +283,11 @@ class CompletionRequest(_GenerationRequest):
                              f"n={_or(info.data.get('n'), 1)} is not supported.")
         return value
 
-    @field_validator("kv_transfer_params")
-    @classmethod
-    def _kv_transfer_params_for_one_prompt(cls, value: Any, info: ValidationInfo) -> Any:
-        prompt = info.data.get("prompt")
-        if value is not None and prompt is not None and not _is_single_prompt(prompt):
+    @model_validator(mode="after")
+    def _kv_transfer_params_for_one_prompt(self) -> CompletionRequest:
+        if self.kv_transfer_params is not None and not _is_single_prompt(self.prompt):
             raise ValueError("kv_transfer_params works with a single prompt only.")
-        return value
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one per entry: text or token ids."""
