@@ -9,10 +9,10 @@ instance). Its lifecycle, seen from the scheduler:
         n > 0: blocks allocated for hit + n tokens (not cached yet) ─ update_state_after_alloc
                status WAITING_FOR_REMOTE_KVS: not scheduled; the workers load (metadata)
         n = 0: admitted as usual ─ update_state_after_alloc(request, block_ids, 0)
-    every schedule() ─ build_connector_meta(scheduler_output) ─► SchedulerOutput.kv_connector_metadata
+    every schedule() ─ build_connector_meta(output) ─► output.kv_connector_metadata
     every step's ModelRunnerOutput.kv_connector_output (every rank's, combined):
         finished_recving: loaded → blocks cached, num_computed_tokens set (the last prompt
-                          token is always recomputed), waiting again at the front
+                          token is always recomputed), admitted before any waiting request
         failed_recving:   blocks freed, computed from scratch (counted), never asked again
         finished_sending: blocks held for a peer (delay_free) are freed
     request finished ─ request_finished(request, block_ids) ─► (delay_free, kv_transfer_params)

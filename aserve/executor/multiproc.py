@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.distributed import (
     DistributedConfig,
     flush_sends,
@@ -33,7 +34,6 @@ from aserve.distributed import (
     shutdown_distributed,
 )
 from aserve.executor.base import Executor
-from aserve.core.kv_connector import KVConnectorOutput
 from aserve.executor.messages import (
     KVConnectorReport,
     KVConnectorStep,

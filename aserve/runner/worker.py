@@ -33,7 +33,6 @@ from aserve.distributed import (
 from aserve.kv_transfer import KVConnectorRole, create_connector, kv_cache_key
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
-from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.kv_cache import kv_buffer_ids, kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
 

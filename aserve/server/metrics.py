@@ -1,7 +1,8 @@
 """Prometheus metrics under the names vLLM users' dashboards know, prefixed `aserve:`.
 
 Engine gauges and totals (running, waiting, KV-cache usage, prefix-cache queries and hits,
-preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved) are read from the engine's latest published stats when scraped; request metrics
+preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved)
+are read from the engine's latest published stats when scraped; request metrics
 (tokens, finishes, TTFT, inter-token and end-to-end latency) are recorded by the routes through a
 `RequestTracker`. Each app has its own registry, so several apps can live in one process. The
 tracker also keeps the last `RECENT_LATENCIES` TTFT and inter-token samples, from which the
