@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,7 @@ class P2pConnector(KVConnectorBase):
         self._held: dict[str, tuple[Send, float]] = {}  # handle → (send, lease deadline)
         self._busy: set[str] = set()  # handles being sent now
         self._sent: set[str] = set()  # req ids sent (or given up) since get_finished
+        self._expired: deque[str] = deque(maxlen=4096)  # handles given up: refused at once
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         # worker side: consumer
@@ -244,6 +246,7 @@ class P2pConnector(KVConnectorBase):
                     logger.warning("No consumer pulled the KV of %s within %g s: its blocks "
                                    "are freed", send.req_id, self.timeouts["lease_timeout_s"])
                     del self._held[handle]
+                    self._expired.append(handle)
                     self._sent.add(send.req_id)
             sent, self._sent = self._sent, set()
             recving, self._recving = self._recving, set()
@@ -313,8 +316,8 @@ class P2pConnector(KVConnectorBase):
     def _send_one(self, stream, group, request: dict) -> None:
         handle = request.get("handle")
         with self._lock:
-            self._lock.wait_for(lambda: handle in self._held or self._closed,
-                                WAIT_FOR_HANDLE_S)
+            self._lock.wait_for(lambda: handle in self._held or handle in self._expired
+                                or self._closed, WAIT_FOR_HANDLE_S)
             entry = self._held.get(handle)
             if entry is not None:
                 self._busy.add(handle)
@@ -329,8 +332,8 @@ class P2pConnector(KVConnectorBase):
                 _write(stream, {"ok": False, "error": "blocks the handle does not hold"})
                 return
             start = time.perf_counter()
-            tensors = [self.paged.read(g, ids).contiguous() if ids else None
-                       for g, ids in enumerate(wanted)]
+            tensors = [self.paged.read(g, ids).cpu().contiguous() if ids else None
+                       for g, ids in enumerate(wanted)]  # (gloo: through host memory)
             _write(stream, {"ok": True, "shapes": [list(t.shape) if t is not None else None
                                                    for t in tensors]})
             for tag, tensor in enumerate(tensors):

@@ -213,6 +213,13 @@ class _GenerationRequest(StructuredOutputFields):
                              "prefix-cache entries between users.")
         return value
 
+    @model_validator(mode="after")
+    def _remote_decode_is_not_streamed(self) -> _GenerationRequest:
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise ValueError("kv_transfer_params.do_remote_decode needs stream=false: the "
+                             "kv_transfer_params a consumer needs come back in the response.")
+        return self
+
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""

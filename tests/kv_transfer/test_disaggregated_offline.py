@@ -138,15 +138,20 @@ def test_p2p_consumer_pulls_the_whole_prompt_and_the_producer_frees_it(llama):
 
 
 def test_p2p_producer_frees_its_blocks_after_the_lease_when_nobody_pulls(llama):
-    model_dir, prompts, _ = llama
+    model_dir, prompts, expected = llama
     config = p2p("kv_producer", free_port(), lease_timeout_s=0.5)
     with make_llm(model_dir, config) as producer:
-        prefill(producer, prompts)
+        params = prefill(producer, prompts)
         assert producer.stats().kv_cache_usage > 0
         start = time.monotonic()
         assert producer.wait_for_kv_transfers(timeout=30)
         assert time.monotonic() - start >= 0.3
         assert producer.stats().kv_cache_usage == 0
+        with make_llm(model_dir, p2p("kv_consumer", free_port())) as late:
+            start = time.monotonic()  # an expired handle is refused at once
+            assert decode(late, prompts, params) == expected
+            assert time.monotonic() - start < 8
+            assert late.stats().num_kv_load_failures == len(prompts)
 
 
 def test_p2p_producer_gone_before_the_pull_the_consumer_recomputes(llama):

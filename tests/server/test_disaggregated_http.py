@@ -147,6 +147,10 @@ def test_kv_transfer_params_without_a_connector_are_a_400(llama_dir):
             response = httpx.post(f"{url}/v1/{route}", timeout=30, json={
                 "model": "tiny", **payload, "kv_transfer_params": {"do_remote_decode": True}})
             assert_error(response, 400, "kv_transfer_params", "needs a KV connector")
+        streamed = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "hi", "stream": True,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert_error(streamed, 400, contains="needs stream=false")
         ok = httpx.post(f"{url}/v1/completions", timeout=30,
                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["kv_transfer_params"] is None
