@@ -103,6 +103,18 @@ def start(scheduler: Scheduler, connector: FakeConnector, *requests: Request) ->
     return FakeRunner(scheduler, counting, kv_worker=connector.worker)
 
 
+def start_loading(max_tokens: int = 3, **connector_kwargs
+                  ) -> tuple[FakeConnector, Scheduler, FakeRunner]:
+    """Request "r" (a 10-token prompt) on a scheduler whose connector offers 8 tokens of it
+    (unless `offers` says otherwise), after its first step: its load has started."""
+    connector = FakeConnector(**{"offers": {"r": 8}, **connector_kwargs})
+    scheduler = make_scheduler(connector)
+    runner = start(scheduler, connector, make_request("r", list(range(10)),
+                                                      max_tokens=max_tokens))
+    runner.step()
+    return connector, scheduler, runner
+
+
 def assert_all_free(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks - 1
@@ -150,27 +162,21 @@ def test_a_whole_prompt_loaded_recomputes_its_last_token() -> None:
 
 
 def test_loaded_blocks_enter_the_prefix_cache_only_once_loaded() -> None:
-    connector = FakeConnector(offers={"a": 8}, load_steps=2)
-    scheduler = make_scheduler(connector)
-    runner = start(scheduler, connector, make_request("a", list(range(10)), max_tokens=2))
-    runner.step()
+    _, scheduler, runner = start_loading(max_tokens=2, load_steps=2)
     scheduler.add_request(make_request("b", list(range(10)), max_tokens=2))
-    output, _ = runner.step()  # a still loading: b finds no hit in a's blocks, computes all
+    output, _ = runner.step()  # r still loading: b finds no hit in r's blocks, computes all
     assert output.num_scheduled_tokens == {"b": 10}
     runner.run_until_done()
     scheduler.add_request(make_request("c", list(range(10)), max_tokens=2))
     output, _ = runner.step()
-    assert output.num_scheduled_tokens == {"c": 2}  # 8 tokens hit (a's or b's blocks)
+    assert output.num_scheduled_tokens == {"c": 2}  # 8 tokens hit (r's or b's blocks)
     runner.run_until_done()
-    assert runner.streamed["a"] == runner.streamed["b"] == runner.streamed["c"] == expected(10, 2)
+    assert runner.streamed["r"] == runner.streamed["b"] == runner.streamed["c"] == expected(10, 2)
     assert_all_free(scheduler)
 
 
 def test_abort_while_loading_holds_the_blocks_until_the_workers_are_done() -> None:
-    connector = FakeConnector(offers={"r": 8}, load_steps=2)
-    scheduler = make_scheduler(connector)
-    runner = start(scheduler, connector, make_request("r", list(range(10)), max_tokens=3))
-    runner.step()
+    connector, scheduler, runner = start_loading(load_steps=2)
     (aborted,) = scheduler.finish_requests(["r"])
     assert aborted.status == RequestStatus.FINISHED_ABORTED and "r" in connector.finished
     assert not scheduler.has_unfinished_requests() and scheduler.has_kv_transfers()
@@ -183,10 +189,7 @@ def test_abort_while_loading_holds_the_blocks_until_the_workers_are_done() -> No
 
 
 def test_a_failed_load_is_recomputed_and_counted() -> None:
-    connector = FakeConnector(offers={"r": 8}, failing={"r"})
-    scheduler = make_scheduler(connector)
-    runner = start(scheduler, connector, make_request("r", list(range(10)), max_tokens=3))
-    runner.step()
+    connector, scheduler, runner = start_loading(failing={"r"})
     output, _ = runner.step()
     assert output.num_scheduled_tokens == {"r": 10}  # from scratch
     runner.run_until_done()
