@@ -99,7 +99,7 @@ class P2pConnector(KVConnectorBase):
         self._held: dict[str, tuple[Send, float]] = {}  # handle → (send, lease deadline)
         self._busy: set[str] = set()  # handles being sent now
         self._sent: set[str] = set()  # req ids sent (or given up) since get_finished
-        self._expired: deque[str] = deque(maxlen=4096)  # handles given up: refused at once
+        self._gone: deque[str] = deque(maxlen=4096)  # handles sent or given up: refused at once
         self._listener: socket.socket | None = None
         self._sockets: set[socket.socket] = set()
         # worker side: consumer
@@ -246,7 +246,7 @@ class P2pConnector(KVConnectorBase):
                     logger.warning("No consumer pulled the KV of %s within %g s: its blocks "
                                    "are freed", send.req_id, self.timeouts["lease_timeout_s"])
                     del self._held[handle]
-                    self._expired.append(handle)
+                    self._gone.append(handle)
                     self._sent.add(send.req_id)
             sent, self._sent = self._sent, set()
             recving, self._recving = self._recving, set()
@@ -316,7 +316,7 @@ class P2pConnector(KVConnectorBase):
     def _send_one(self, stream, group, request: dict) -> None:
         handle = request.get("handle")
         with self._lock:
-            self._lock.wait_for(lambda: handle in self._held or handle in self._expired
+            self._lock.wait_for(lambda: handle in self._held or handle in self._gone
                                 or self._closed, WAIT_FOR_HANDLE_S)
             entry = self._held.get(handle)
             if entry is not None:
@@ -348,6 +348,7 @@ class P2pConnector(KVConnectorBase):
             with self._lock:
                 self._busy.discard(handle)
                 self._held.pop(handle, None)
+                self._gone.append(handle)
                 self._sent.add(send.req_id)
 
     # ---------------------------------------------------------------- consumer: pulling
@@ -376,7 +377,9 @@ class P2pConnector(KVConnectorBase):
     def _pull_one(self, pull: Pull) -> int:
         peer = self._peers.get((pull.host, pull.port))
         if peer is None:
-            peer = _Peer.connect(pull.host, pull.port + self.tp_rank, self)
+            peer = _Peer.connect(pull.host, pull.port + self.tp_rank, self.kv_cache_key,
+                                 self.tp_rank, self.timeouts["connect_timeout_s"],
+                                 self.timeouts["transfer_timeout_s"])
             self._peers[(pull.host, pull.port)] = peer
         _write(peer.stream, {"handle": pull.handle, "block_ids": [list(g) for g in
                                                                   pull.remote_ids]})
@@ -406,20 +409,22 @@ class _Peer:
         self.sock, self.stream, self.store, self.group = sock, stream, store, group
 
     @classmethod
-    def connect(cls, host: str, port: int, connector: P2pConnector) -> _Peer:
-        sock = socket.create_connection((host, port),
-                                        timeout=connector.timeouts["connect_timeout_s"])
-        sock.settimeout(connector.timeouts["transfer_timeout_s"])
+    def connect(cls, host: str, port: int, kv_cache_key: str, rank: int,
+                connect_timeout_s: float, transfer_timeout_s: float) -> _Peer:
+        """Consumer rank `rank` (of KV cache key `kv_cache_key`) joins the producer rank
+        listening on host:port: a hello, then their two-rank gloo group."""
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        sock.settimeout(transfer_timeout_s)
         stream = sock.makefile("rwb")
         try:
-            _write(stream, {"kv_cache_key": connector.kv_cache_key, "rank": connector.tp_rank})
+            _write(stream, {"kv_cache_key": kv_cache_key, "rank": rank})
             reply = _read(stream)
             if not reply.get("ok"):
                 raise ValueError(f"the producer refused: {reply.get('error')}")
             store = dist.TCPStore(host, reply["store_port"], 2, False,
-                                  timeout=connector._timeout("connect_timeout_s"))
+                                  timeout=datetime.timedelta(seconds=connect_timeout_s))
             group = dist.ProcessGroupGloo(dist.PrefixStore("kv", store), 1, 2,
-                                          connector._timeout("transfer_timeout_s"))
+                                          datetime.timedelta(seconds=transfer_timeout_s))
         except BaseException:
             _close(sock)
             raise

@@ -255,3 +255,31 @@ def test_tp2_producer_and_consumer_move_each_ranks_heads(llama, tmp_path, connec
     if connector == "SharedStorageConnector":
         names = {p.name.split(".")[1] for p in tmp_path.rglob("*.safetensors")}
         assert names == {"rank0", "rank1"}
+
+
+def test_p2p_consumer_gone_mid_transfer_gives_the_blocks_back_before_the_lease(llama):
+    """A consumer rank that asks for blocks and hangs up without taking them: the producer
+    frees them at once (not after its 120 s lease), and a second pull of the handle is
+    refused at once."""
+    from aserve.kv_transfer.p2p import _Peer, _read, _write
+
+    model_dir, prompts, _ = llama
+    port = free_port()
+    config = p2p("kv_producer", port, transfer_timeout_s=3.0)
+    with make_llm(model_dir, config) as producer:
+        params = prefill(producer, prompts[:1])[0]
+
+        consumer = ("127.0.0.1", port, params["remote_kv_cache_key"], 0, 5.0, 3.0)
+        start = time.monotonic()
+        peer = _Peer.connect(*consumer)
+        _write(peer.stream, {"handle": params["remote_handle"],
+                             "block_ids": params["remote_block_ids"]})
+        assert _read(peer.stream)["ok"]
+        peer.close()  # gone before receiving anything
+        assert producer.wait_for_kv_transfers(timeout=30)
+        assert time.monotonic() - start < 30 and producer.stats().kv_cache_usage == 0
+        again = _Peer.connect(*consumer)
+        _write(again.stream, {"handle": params["remote_handle"], "block_ids": [[]]})
+        reply = _read(again.stream)
+        assert not reply["ok"] and "unknown or expired" in reply["error"]
+        again.close()
