@@ -67,8 +67,3 @@ class KVConnectorOutput:
     failed_recving: set[str] = field(default_factory=set)
     num_bytes: int = 0
     seconds: float = 0.0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.failed_recving
-                    or self.num_bytes)
