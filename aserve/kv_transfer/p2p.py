@@ -291,8 +291,11 @@ class P2pConnector(KVConnectorBase):
                              daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        """One consumer rank: a hello, then pulls one at a time until it hangs up."""
+        """One consumer rank: a hello, then pulls one at a time until it hangs up. Reads time
+        out within a hello or a transfer (a stuck consumer cannot pin blocks), not between
+        pulls (the connection stays open for the next)."""
         stream = sock.makefile("rwb")
+        sock.settimeout(self.timeouts["transfer_timeout_s"])
         try:
             hello = _read(stream)
             if hello.get("kv_cache_key") != self.kv_cache_key or hello.get("rank") != self.tp_rank:
@@ -304,7 +307,12 @@ class P2pConnector(KVConnectorBase):
             _write(stream, {"ok": True, "store_port": store.port})
             group = dist.ProcessGroupGloo(dist.PrefixStore("kv", store), 0, 2,
                                           self._timeout("transfer_timeout_s"))
-            while (request := _read(stream, allow_eof=True)) is not None:
+            while True:
+                sock.settimeout(None)
+                request = _read(stream, allow_eof=True)
+                if request is None:
+                    break
+                sock.settimeout(self.timeouts["transfer_timeout_s"])
                 self._send_one(stream, group, request)
         except Exception as e:  # noqa: BLE001 - a consumer failed or left: its blocks go
             logger.warning("KV send to a consumer failed: %s: %s", type(e).__name__, e)
@@ -375,15 +383,22 @@ class P2pConnector(KVConnectorBase):
                 self._seconds += time.perf_counter() - start
 
     def _pull_one(self, pull: Pull) -> int:
+        request = {"handle": pull.handle, "block_ids": [list(g) for g in pull.remote_ids]}
         peer = self._peers.get((pull.host, pull.port))
-        if peer is None:
+        try:  # a kept connection the producer has closed since (a restart): connect again
+            if peer is None:
+                raise ConnectionError("not connected")
+            _write(peer.stream, request)
+            reply = _read(peer.stream)
+        except (OSError, ConnectionError):
+            if peer is not None:
+                peer.close()
             peer = _Peer.connect(pull.host, pull.port + self.tp_rank, self.kv_cache_key,
                                  self.tp_rank, self.timeouts["connect_timeout_s"],
                                  self.timeouts["transfer_timeout_s"])
             self._peers[(pull.host, pull.port)] = peer
-        _write(peer.stream, {"handle": pull.handle, "block_ids": [list(g) for g in
-                                                                  pull.remote_ids]})
-        reply = _read(peer.stream)
+            _write(peer.stream, request)
+            reply = _read(peer.stream)
         if not reply.get("ok"):
             raise ValueError(f"the producer refused: {reply.get('error')}")
         dtype = self.paged.group_buffers[0][0].dtype
