@@ -149,11 +149,12 @@ class DisaggProxy:
         try:
             params = response.json().get("kv_transfer_params")
         except (ValueError, AttributeError) as exc:
-            raise ProxyError(f"prefill instance {url} answered with a body that is not JSON", 502) \
-                from exc
+            raise ProxyError(f"prefill instance {url} answered with a body that is not JSON",
+                             502) from exc
         if not isinstance(params, dict):
-            raise ProxyError(f"prefill instance {url} returned no kv_transfer_params: is it started "
-                             "with --kv-transfer-config and kv_role kv_producer or kv_both?", 502)
+            raise ProxyError(f"prefill instance {url} returned no kv_transfer_params: is it "
+                             "started with --kv-transfer-config and kv_role kv_producer or "
+                             "kv_both?", 502)
         return params
 
     # ---- routes ----------------------------------------------------------------------------

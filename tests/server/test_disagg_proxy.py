@@ -179,7 +179,8 @@ def test_a_decode_dying_midway_ends_the_stream_with_an_error():
             assert r.status_code == 200
             text, errors = stream_text(r)
         assert text == 'D:{"d' and len(errors) == 1  # the first piece, then the error
-        assert errors[0]["error"]["code"] == 502 and "while streaming" in errors[0]["error"]["message"]
+        error = errors[0]["error"]
+        assert error["code"] == 502 and "while streaming" in error["message"]
 
 
 def test_a_silent_instance_is_504_not_a_hang():
