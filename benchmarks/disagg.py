@@ -164,10 +164,7 @@ def transfer_figures(args: argparse.Namespace, instance_urls: list[str]) -> dict
     per_block = kv_bytes_per_block(args.model, args.block_size, args.dtype)
     for role, url in zip(("prefill", "decode"), instance_urls):
         metrics = parse_prometheus(httpx.get(url + "/metrics", timeout=10).text)
-
-        def total(name: str) -> float:
-            return sum(v for k, v in metrics.items() if k.startswith(f"aserve:{name}"))
-
+        total = lambda name, m=metrics: m.get(f"aserve:{name}", 0.0)  # noqa: E731
         moved, seconds = total("kv_transfer_bytes_total"), total("kv_transfer_seconds_total")
         blocks = moved / per_block
         out[role] = {"bytes": int(moved), "seconds": round(seconds, 4),
