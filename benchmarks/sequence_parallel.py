@@ -124,35 +124,41 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def _comm_rank(rank: int, port: int, keys: dict, lens: list[int], repeats: int,
-               out: str) -> None:
+def _layer_comm(keys: dict, num_tokens: int, repeats: int) -> dict:
+    """Milliseconds of one layer's collectives for a prefill of `num_tokens`, on 2 ranks."""
     import torch
     import torch.distributed as dist
 
     from aserve.distributed.all_to_all import exchange_rows
 
+    d, heads, kv_heads = keys["head_dim"], keys["num_attention_heads"], keys["num_key_value_heads"]
+    half = [num_tokens // 2] * 2  # each rank's rows, sent half to each rank
+    qkv = torch.randn(sum(half), (heads // 2 + 2 * max(1, kv_heads // 2)) * d,
+                      dtype=torch.bfloat16)  # [T, its heads' q / k / v]
+    out = torch.randn(sum(half), heads // 2 * d, dtype=torch.bfloat16)
+    hidden = torch.randn(num_tokens, keys["hidden_size"], dtype=torch.bfloat16)
+
+    def sp_layer() -> None:
+        exchange_rows(qkv, half, half, dist.group.WORLD)
+        exchange_rows(out, half, half, dist.group.WORLD)
+
+    def tp_layer() -> None:
+        dist.all_reduce(hidden)
+        dist.all_reduce(hidden)
+
+    return {"sp2_all_to_all_ms": round(_best_of(sp_layer, repeats) * 1e3, 3),
+            "tp2_all_reduce_ms": round(_best_of(tp_layer, repeats) * 1e3, 3)}
+
+
+def _comm_rank(rank: int, port: int, keys: dict, lens: list[int], repeats: int,
+               out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     torch.set_num_threads(1)
-    h, d = keys["hidden_size"], keys["head_dim"]
-    per_rank = (keys["num_attention_heads"] + 2 * keys["num_key_value_heads"]) // 2
-    figures = {}
-    for n in lens:
-        qkv = torch.randn(n // 2 * 2, per_rank * d, dtype=torch.bfloat16)
-        o = torch.randn(n // 2 * 2, keys["num_attention_heads"] // 2 * d, dtype=torch.bfloat16)
-        hidden = torch.randn(n, h, dtype=torch.bfloat16)
-        half = [n // 2] * 2
-
-        def sp_layer() -> None:
-            exchange_rows(qkv, half, half, dist.group.WORLD)
-            exchange_rows(o, half, half, dist.group.WORLD)
-
-        def tp_layer() -> None:
-            dist.all_reduce(hidden)
-            dist.all_reduce(hidden)
-
-        figures[str(n)] = {"sp2_all_to_all_ms": round(_best_of(sp_layer, repeats) * 1e3, 3),
-                           "tp2_all_reduce_ms": round(_best_of(tp_layer, repeats) * 1e3, 3)}
+    figures = {str(n): _layer_comm(keys, n, repeats) for n in lens}
     if rank == 0:
         Path(out).write_text(repr(figures))
     dist.barrier()
