@@ -2,8 +2,9 @@
 token for token on a dense Llama (GQA: one kv head per SP rank), a hybrid sliding-window Gemma-3
 (q/k norms, two ropes) and a Qwen2-MoE (shared expert, a dense layer), under the default
 settings with prefix-cache hits and under 32-token chunks with preemption; a Mixtral under
-sp=2 with expert parallelism's all-to-all over the SP ranks; sp=2 × tp=2 on 4 ranks (kv heads
-replicated over the SP ranks) and pp=2 × sp=2; `python -m aserve --sequence-parallel-size 2`
+sp=2 with expert parallelism's all-to-all over the SP ranks (and over sp=2 × tp=2); sp=2 × tp=2
+on 4 ranks (kv heads replicated over the SP ranks) and pp=2 × sp=2; prompt logprobs as one
+rank's; `python -m aserve --sequence-parallel-size 2`
 serves the openai client; heads that SP cannot split, and expert parallelism without the
 all-to-all combine, are refused at startup naming the constraint."""
 
@@ -95,6 +96,37 @@ def test_sp2_on_four_ranks_matches_hf(reference, layout):
         assert generate_ids(llm, ref.prompts) == ref.outputs
         assert generate_ids(llm, ref.prompts) == ref.outputs
         assert llm.stats().prefix_cache_hits > 0
+
+
+def test_sp2_prompt_logprobs_equal_one_ranks(llama_dir):
+    """Rows with logits on both SP ranks, out of rank order (each request's last row, then the
+    prompt-logprob spans), in 32-token chunks."""
+    prompts = [list(range(40, 77)), list(range(300, 320)), list(range(100, 150))]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+
+    def run(**layout):
+        with LLM(llama_dir, dtype="float32", max_num_batched_tokens=32, **layout) as llm:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        return ([o.outputs[0].token_ids for o in outputs],
+                [[None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()}
+                  for d in o.prompt_logprobs] for o in outputs])
+
+    want_ids, want_logprobs = run()
+    got_ids, got_logprobs = run(sequence_parallel_size=2)
+    assert got_ids == want_ids
+    assert got_logprobs == want_logprobs
+
+
+@pytest.mark.slow
+def test_sp2_tp2_moe_with_the_expert_all_to_all_over_the_stage_matches_hf(reference):
+    """5 experts over 4 ranks (2, 1, 1, 1); each TP rank dispatches half its group's rows."""
+    ref = reference("mixtral")
+    with LLM(ref.model_dir, dtype="float32", sequence_parallel_size=2, tensor_parallel_size=2,
+             enable_expert_parallel=True, moe_combine="all-to-all",
+             max_num_batched_tokens=32) as llm:
+        experts = llm.engine_core.executor.worker.runner.model.model.layers[0].mlp.experts
+        assert experts.local_experts == range(0, 2)
+        assert generate_ids(llm, ref.prompts) == ref.outputs
 
 
 def test_server_with_sp2_answers_openai_client(llama_dir, tmp_path):
