@@ -250,8 +250,9 @@ class ModelRunner:
         same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
         each stage runs its layers and sends its hidden states on (without waiting for them to
         arrive); only the last stage returns logits, which it also sends back to stage 0. Under
-        sequence parallelism a rank runs its slice of the rows (`runner/sequence_parallel.py`)
-        and the first SP rank of each TP group gathers the rows that have logits."""
+        sequence parallelism a rank runs its slice of the rows (`runner/sequence_parallel.py`),
+        the rows with logits are gathered over the SP group and the first SP rank's TP group
+        computes the logits."""
         stage, num_stages = get_pp_rank(), get_pp_size()
         input_ids, positions = local_rows(inputs.input_ids), local_rows(inputs.positions)
         intermediate = None
