@@ -140,7 +140,7 @@ def test_server_with_sp2_answers_openai_client(llama_dir, tmp_path):
              "--dtype", "float32", "--max-model-len", "256", "--sequence-parallel-size", "2",
              "--served-model-name", "tiny-sp"], stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        wait_healthy(proc, url)
+        wait_healthy(proc, url, timeout=180)  # (two ranks start; slower on a busy machine)
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
         out = client.completions.create(model="tiny-sp", prompt="Hello there, how are you",
                                         max_tokens=6, temperature=0,
