@@ -24,6 +24,7 @@ from aserve.distributed import (
     get_ep_size,
     get_moe_combine,
     get_pp_size,
+    get_sp_size,
     init_distributed,
     stage_layers,
 )
@@ -109,11 +110,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int,
                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches (not
-        under the MoE all-to-all combine, whose split sizes the host reads every step)."""
+        under the MoE all-to-all combine, whose split sizes the host reads every step, nor
+        under sequence parallelism, whose rows the graphs do not split)."""
         self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
         all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
-                and not all_to_all):
+                and not all_to_all and get_sp_size() == 1):
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
 
