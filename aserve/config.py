@@ -200,7 +200,8 @@ class DistributedConfig:
     master_port: int = 29500
     backend: str = "gloo"  # the model's collectives: "nccl" on GPUs, "gloo" on CPU
     timeout_s: float = 600.0
-    tp_size: int = 0  # ranks per pipeline stage; 0: the whole world (no pipeline)
+    tp_size: int = 0  # tensor-parallel ranks; 0: the whole world over sp_size (no pipeline)
+    sp_size: int = 1  # sequence-parallel ranks; a pipeline stage is sp_size * tp_size ranks
     pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split
     enable_expert_parallel: bool = False  # MoE layers: whole experts per TP rank
     moe_combine: str = "all-reduce"  # expert parallelism: "all-reduce" or "all-to-all"

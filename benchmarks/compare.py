@@ -43,7 +43,10 @@ sys.path.insert(0, str(HERE))
 from common import free_port  # noqa: E402
 
 PEER_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
-ENGINES = ("aserve", "vllm")
+ENGINES = ("aserve", "vllm", "llamacpp")
+PEERS = ENGINES[1:]
+# llama-server's context, shared by its slots: each slot gets LLAMACPP_CTX_PER_SLOT tokens at least
+LLAMACPP_CTX_PER_SLOT = 2048
 
 
 def log(message: str) -> None:
@@ -104,8 +107,9 @@ def offline_figures(engine: str, result: dict) -> dict[str, dict]:
 
 def run_offline(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {}
+    engines = [e for e in args.engines if e != "llamacpp"]  # (its batch-1 figures: roofline.py)
     for r in range(args.rounds):
-        for engine in rotated(args.engines, r):
+        for engine in rotated(engines, r):
             log(f"offline round {r}: {engine}")
             load = loadavg()
             for name, figures in offline_figures(engine, offline_round(args, engine)).items():
@@ -185,6 +189,13 @@ def server_command(args: argparse.Namespace, engine: str, port: int) -> list[str
     if engine == "aserve":
         return [sys.executable, "-m", "aserve", "--model", args.model, *common,
                 *shlex.split(args.aserve_args)]
+    if engine == "llamacpp":
+        slots = max(args.concurrency)
+        ctx = slots * max(LLAMACPP_CTX_PER_SLOT, args.input_len + args.output_len + 16)
+        return [str(args.llamacpp_venv / "bin" / "llama-server"), "-m", str(args.gguf),
+                "--alias", Path(args.model).name, "--parallel", str(slots), "--cont-batching",
+                "-c", str(ctx), "-t", str(os.cpu_count()), "--host", "127.0.0.1",
+                "--port", str(port), "--no-webui", *shlex.split(args.llamacpp_args)]
     eager = ["--enforce-eager"] if args.vllm_enforce_eager else []
     return [args.peer_python, str(args.peers_dir / "vllm_cli.py"), "serve", args.model, *common,
             *eager, *shlex.split(args.vllm_args)]
@@ -242,21 +253,26 @@ def run_serve(args: argparse.Namespace, servers: list[Server]) -> dict:
             report["engines"][engine][c] = {
                 "num_prompts": best["num_prompts"], **{k: best[k] for k in SERVE_FIELDS},
                 "rounds_output_tokens_per_s": [x["output_tokens_per_s"] for x in per_round]}
-    if set(ENGINES) <= set(args.engines):
-        report["ratios"] = {c: serve_ratios(report["engines"]["aserve"][c],
-                                            report["engines"]["vllm"][c])
-                            for c in map(str, args.concurrency)}
+    for peer in PEERS:
+        if {"aserve", peer} <= set(args.engines):
+            key = "ratios" if peer == "vllm" else f"ratios_over_{peer}"
+            report[key] = {c: serve_ratios(report["engines"]["aserve"][c],
+                                           report["engines"][peer][c])
+                           for c in map(str, args.concurrency)}
     return report
 
 
 def serve_ratios(ours: dict, peer: dict) -> dict:
-    """aserve / vLLM: output tok/s (higher is better), TTFT p50 (lower is better)."""
+    """aserve / the peer: output tok/s (higher is better); TTFT p50, TPOT p50 and ITL p99
+    (lower is better)."""
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
     return {"output_tokens_per_s": ratio(ours["output_tokens_per_s"],
                                          peer["output_tokens_per_s"]),
-            "ttft_p50": ratio(ours["ttft_ms"]["p50"], peer["ttft_ms"]["p50"])}
+            "ttft_p50": ratio(ours["ttft_ms"]["p50"], peer["ttft_ms"]["p50"]),
+            "tpot_p50": ratio(ours["tpot_ms"]["p50"], peer["tpot_ms"]["p50"]),
+            "itl_p99": ratio(ours["itl_ms"]["p99"], peer["itl_ms"]["p99"])}
 
 
 # ---------------------------------------------------------------------------------- limits
@@ -343,7 +359,13 @@ def build_parser() -> argparse.ArgumentParser:
                     default=Path("~/.cache/aserve-peers/venv").expanduser())
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers",
                     help="offline_vllm.py and vllm_cli.py (default: ../shared/peers)")
-    ap.add_argument("--engines", default="aserve,vllm", help="of aserve,vllm")
+    ap.add_argument("--engines", default="aserve,vllm", help="of aserve,vllm,llamacpp")
+    ap.add_argument("--llamacpp-venv", type=Path,
+                    default=Path("~/.cache/aserve-peers/llamacpp-venv").expanduser(),
+                    help="where ../shared/peers/setup_llamacpp.sh built llama-server")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="llamacpp: the same model as GGUF (setup_llamacpp.sh converts it)")
+    ap.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--hf", action="store_true", help="offline: HF transformers too")
@@ -382,6 +404,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not set(args.engines) <= set(ENGINES):
         raise SystemExit(f"--engines: of {','.join(ENGINES)}")
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if "llamacpp" in args.engines and (args.gguf is None or not args.gguf.exists()):
+        raise SystemExit("--engines llamacpp needs --gguf: the model as GGUF "
+                         "(../shared/peers/setup_llamacpp.sh VENV GGUF HF_DIR converts it)")
     if args.matmul_limit not in ("auto", "off"):
         try:
             float(args.matmul_limit)

@@ -1,6 +1,8 @@
-"""Expert-parallel all-to-all: each rank's tokens travel to the ranks holding their experts and
-their outputs travel back (the combine mode for tokens split across ranks, where an all-reduce
-of replicated tokens does not apply).
+"""All-to-all exchanges of rows: the expert-parallel dispatch and combine (each rank's tokens
+travel to the ranks holding their experts and their outputs travel back: the combine mode for
+tokens split across ranks, where an all-reduce of replicated tokens does not apply), and the
+row exchange and gather that sequence parallelism's attention (`aserve/layers/ulysses.py`) and
+logits also use.
 
 ```
 rank 0 tokens a b   slots (a,e1) (a,e4) (b,e2) (b,e5)      experts 0-3 on rank 0, 4-7 on rank 1
@@ -18,6 +20,7 @@ sum in expert-id order, in float32 from zero, is the one a single rank computes
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,14 +37,25 @@ def expert_owners(num_experts: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(owners, dtype=torch.int64, device=device)
 
 
-def _exchange(tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int]
-              ) -> torch.Tensor:
-    """Rows of `tensor` (grouped by destination, send_counts[r] for rank r) to their ranks;
-    returns the rows received, grouped by source."""
+def exchange_rows(tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                  group: Any) -> torch.Tensor:
+    """Rows of `tensor` (grouped by destination, send_counts[r] for rank r of `group`) to their
+    ranks; returns the rows received, grouped by source."""
     out = tensor.new_empty((sum(recv_counts), *tensor.shape[1:]))
-    dist.all_to_all_single(out, tensor.contiguous(), recv_counts, send_counts,
-                           group=get_ep_group())
+    dist.all_to_all_single(out, tensor.contiguous(), recv_counts, send_counts, group=group)
     return out
+
+
+def all_gather_rows(rows: torch.Tensor, counts: list[int], group: Any) -> torch.Tensor:
+    """Every rank's `rows` (rank r of `group` holds counts[r] of them), concatenated in rank
+    order; `rows` itself for a group of one rank (None)."""
+    if group is None or len(counts) == 1:
+        return rows
+    padded = rows.new_zeros((max(counts), *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
 
 
 def all_to_all_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -56,11 +70,13 @@ def all_to_all_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=get_ep_group())
     send_counts, recv_counts = send.tolist(), recv.tolist()
-    rows = _exchange(x[order // top_k], send_counts, recv_counts)  # [n, H]
-    rows_ids = _exchange(ids[order], send_counts, recv_counts)  # [n]
-    rows_w = _exchange(topk_weights.reshape(-1)[order].float(), send_counts, recv_counts)
+    group = get_ep_group()
+    rows = exchange_rows(x[order // top_k], send_counts, recv_counts, group)  # [n, H]
+    rows_ids = exchange_rows(ids[order], send_counts, recv_counts, group)  # [n]
+    rows_w = exchange_rows(topk_weights.reshape(-1)[order].float(), send_counts, recv_counts,
+                           group)
     y = local_experts(rows, rows_w[:, None], rows_ids[:, None])  # [n, H], weighted
-    back = _exchange(y, recv_counts, send_counts)  # [t * k, H], in `order`
+    back = exchange_rows(y, recv_counts, send_counts, group)  # [t * k, H], in `order`
     slots = torch.empty_like(back)
     slots[order] = back
     slots = slots.view(num_tokens, top_k, x.shape[-1]).float()  # [t, k, H]

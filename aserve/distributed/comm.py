@@ -7,8 +7,8 @@
         │  pipeline stages: hidden states sent stage to stage, logits back to rank 0
 
 `init_distributed` joins the world through a TCP rendezvous (rank 0's address and port), makes
-the tensor-parallel group (the whole world while pipeline parallelism is 1; also the expert-
-parallel group under `--enable-expert-parallel`) and a gloo group for
+the tensor- and sequence-parallel groups (a stage's ranks of one SP / TP index; the expert-
+parallel group under `--enable-expert-parallel` is the whole stage) and a gloo group for
 control messages, so that they travel over host memory even when the model's collectives use
 NCCL. Control messages are the frozen dataclasses of `aserve.executor.messages` (ints and numpy
 arrays inside), pickled once per step, sent point to point without waiting for the receiver, so
@@ -26,17 +26,27 @@ import torch
 import torch.distributed as dist
 
 from aserve.config import DistributedConfig
-from aserve.distributed.state import get_tp_rank, get_tp_size, set_ep, set_pp, set_tp
+from aserve.distributed.state import (
+    get_sp_size,
+    get_tp_size,
+    set_ep,
+    set_pp,
+    set_sp,
+    set_tp,
+    stage_rank,
+)
 
 _control_group: Any = None
 _pending: deque[tuple[Any, torch.Tensor]] = deque()  # sends in flight and their buffers
 
 
 def init_distributed(config: DistributedConfig) -> None:
-    """Join the process group and record this rank's tensor-parallel and pipeline place.
+    """Join the process group and record this rank's tensor-, sequence- and pipeline-parallel
+    place.
 
-    Ranks are laid out stage-major: rank = stage * tp_size + tp_rank, so a stage's TP group is
-    consecutive ranks (on one node when a node holds a whole stage).
+    Ranks are laid out `pp × sp × tp`: rank = (stage * sp_size + sp_rank) * tp_size + tp_rank,
+    so a TP group is consecutive ranks (on one node when a node holds a whole stage), and an
+    SP group the ranks of one TP index in a stage.
     """
     global _control_group
     dist.init_process_group(
@@ -45,17 +55,40 @@ def init_distributed(config: DistributedConfig) -> None:
         timeout=datetime.timedelta(seconds=config.timeout_s))
     world = dist.group.WORLD
     _control_group = world if config.backend == "gloo" else dist.new_group(backend="gloo")
-    tp_size = config.tp_size or config.world_size
-    pp_size = config.world_size // tp_size
-    tp_group = world
-    if pp_size > 1:  # every rank creates every group, in the same order
-        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)))
-                  for s in range(pp_size)]
-        tp_group = groups[config.rank // tp_size]
-    set_tp(config.rank % tp_size, tp_size, tp_group)
-    set_pp(config.rank // tp_size, pp_size, config.pp_layer_partition)
-    if config.enable_expert_parallel:  # the EP group is the stage's TP group
-        set_ep(config.rank % tp_size, tp_size, tp_group, config.moe_combine)
+    sp_size = config.sp_size
+    tp_size = config.tp_size or config.world_size // sp_size
+    stage_size = tp_size * sp_size
+    pp_size = config.world_size // stage_size
+    stage, in_stage = divmod(config.rank, stage_size)
+    sp_rank, tp_rank = divmod(in_stage, tp_size)
+    starts = [s * stage_size for s in range(pp_size)]  # every rank creates every group, in order
+    tp_group = _my_group([[b + j * tp_size + t for t in range(tp_size)]
+                          for b in starts for j in range(sp_size)], config)
+    sp_group = _my_group([[b + j * tp_size + t for j in range(sp_size)]
+                          for b in starts for t in range(tp_size)], config)
+    set_tp(tp_rank, tp_size, tp_group)
+    set_sp(sp_rank, sp_size, sp_group)
+    set_pp(stage, pp_size, config.pp_layer_partition)
+    if config.enable_expert_parallel:  # the EP group is the stage (its TP group without SP)
+        stage_group = _my_group([list(range(b, b + stage_size)) for b in starts], config)
+        set_ep(in_stage, stage_size, stage_group, config.moe_combine)
+
+
+def _my_group(groups: list[list[int]], config: DistributedConfig) -> Any:
+    """This rank's group of `groups` (a partition of the world, the same list on every rank):
+    the world itself when it is one group, None when groups have one rank (nothing to
+    exchange), else a new group, every one of them created on every rank."""
+    if len(groups) == 1:
+        return dist.group.WORLD
+    if len(groups[0]) == 1:
+        return None
+    made = [dist.new_group(ranks) for ranks in groups]
+    return next(g for g, ranks in zip(made, groups, strict=True) if config.rank in ranks)
+
+
+def _stage_peer(stage: int) -> int:
+    """The rank of `stage` at this rank's place in its stage."""
+    return stage * get_sp_size() * get_tp_size() + stage_rank()
 
 
 def _isend(tensor: torch.Tensor, peer: int, group: Any = None) -> None:
@@ -66,17 +99,17 @@ def _isend(tensor: torch.Tensor, peer: int, group: Any = None) -> None:
 
 
 def send_to_stage(tensors: list[torch.Tensor], stage: int) -> None:
-    """Send tensors to the rank of `stage` with this rank's TP index (hidden states onward,
+    """Send tensors to the rank of `stage` at this rank's place (hidden states onward,
     logits back), without waiting for them to be received."""
-    peer = stage * get_tp_size() + get_tp_rank()
+    peer = _stage_peer(stage)
     for tensor in tensors:
         _isend(tensor.contiguous(), peer)
 
 
 def recv_from_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
                     stage: int) -> list[torch.Tensor]:
-    """Receive tensors of these shapes from the rank of `stage` with this rank's TP index."""
-    peer = stage * get_tp_size() + get_tp_rank()
+    """Receive tensors of these shapes from the rank of `stage` at this rank's place."""
+    peer = _stage_peer(stage)
     tensors = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     for tensor in tensors:
         dist.recv(tensor, peer)
@@ -130,5 +163,6 @@ def shutdown_distributed() -> None:
     _control_group = None
     _pending.clear()
     set_tp(0, 1, None)
+    set_sp(0, 1, None)
     set_pp(0, 1)
     set_ep(0, 1, None)

@@ -1,9 +1,13 @@
-"""Tensor-, pipeline- and expert-parallel rank state read by the parallel layers.
+"""Tensor-, sequence-, pipeline- and expert-parallel rank state read by the parallel layers.
 
 With one rank this is rank 0 of a group of size 1 and the collectives below are no-ops.
 `init_distributed` (comm.py) records a rank's place and process groups through `set_tp`,
-`set_pp` and `set_ep`; layers read the state when they are built, so it is set before the
-model is.
+`set_sp`, `set_pp` and `set_ep`; layers read the state when they are built, so it is set
+before the model is.
+
+Ranks are laid out `pp × sp × tp` (tp fastest): a stage holds sp × tp ranks; the ranks of one
+SP rank are a TP group (the same tokens, the weights split), the ranks of one TP rank an SP
+group (the same weight shard, the tokens split: `aserve/layers/ulysses.py`).
 
 Expert parallelism (`--enable-expert-parallel`, vLLM's semantics) reuses a stage's TP ranks as
 its EP group: attention stays tensor-parallel, and each MoE layer holds whole experts, rank r
@@ -24,6 +28,9 @@ _tp_group: Any = None  # a torch.distributed ProcessGroup once tensor parallelis
 _pp_rank = 0
 _pp_size = 1
 _pp_partition: tuple[int, ...] | None = None
+_sp_rank = 0
+_sp_size = 1
+_sp_group: Any = None
 _ep_rank = 0
 _ep_size = 1
 _ep_group: Any = None
@@ -81,6 +88,10 @@ def set_tp(rank: int, size: int, group: Any = None) -> None:
     _tp_rank, _tp_size, _tp_group = rank, size, group
 
 
+def get_tp_group() -> Any:
+    return _tp_group
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the tensor-parallel group, in place; identity when the group has one rank."""
     if _tp_size == 1:
@@ -96,6 +107,34 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_tp_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=_tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def get_sp_rank() -> int:
+    """This rank's place in its sequence-parallel group: it holds the step's rows
+    [sp_rank * chunk, (sp_rank + 1) * chunk) outside attention."""
+    return _sp_rank
+
+
+def get_sp_size() -> int:
+    """Ranks sharing a step's tokens (1: no sequence parallelism)."""
+    return _sp_size
+
+
+def get_sp_group() -> Any:
+    return _sp_group
+
+
+def set_sp(rank: int, size: int, group: Any = None) -> None:
+    """Record this process's sequence-parallel rank, group size and process group."""
+    global _sp_rank, _sp_size, _sp_group
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(f"bad sequence-parallel rank {rank} for size {size}.")
+    _sp_rank, _sp_size, _sp_group = rank, size, group
+
+
+def stage_rank() -> int:
+    """This rank's index in its pipeline stage: sp_rank * tp_size + tp_rank."""
+    return _sp_rank * _tp_size + _tp_rank
 
 
 def get_ep_rank() -> int:

@@ -55,6 +55,9 @@ class EngineArgs:
     # whitespace; a request's structured_outputs.disable_any_whitespace always wins.
     structured_outputs_any_whitespace: bool = False
     moe_combine: str = "all-reduce"  # how expert-parallel outputs meet: all-reduce | all-to-all
+    # Ulysses: ranks splitting each step's tokens outside attention (heads inside it); world =
+    # pp × sp × tp ranks
+    sequence_parallel_size: int = 1
     # Disaggregated prefill: a KV connector, as vLLM's --kv-transfer-config (its JSON text, a
     # dict of its keys or a KVTransferConfig: a KVTransferConfig once constructed); None: none
     kv_transfer_config: KVTransferConfig | dict | str | None = None
@@ -71,7 +74,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1.")
-        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        self._check_sequence_parallel()
+        world_size = self.world_size
         if self.nnodes < 1 or world_size % self.nnodes or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"{world_size} ranks cannot be split over nnodes={self.nnodes} "
                              f"(node_rank={self.node_rank}): every node runs world/nnodes ranks.")
@@ -102,9 +106,26 @@ class EngineArgs:
             check_config(self.kv_transfer_config)
         except ValueError as e:
             raise KVTransferConfigError(str(e)) from None
-        if self.pipeline_parallel_size > 1:
-            raise KVTransferConfigError("kv_transfer_config does not work with pipeline "
-                                        "parallelism yet (pipeline_parallel_size > 1).")
+        if self.pipeline_parallel_size > 1 or self.sequence_parallel_size > 1:
+            raise KVTransferConfigError("kv_transfer_config does not work with pipeline or "
+                                        "sequence parallelism yet (pipeline_parallel_size or "
+                                        "sequence_parallel_size > 1).")
+
+    def _check_sequence_parallel(self) -> None:
+        """What sequence parallelism needs of the other flags (the heads it splits are checked
+        when the model is built: `aserve/layers/ulysses.py`)."""
+        sp = self.sequence_parallel_size
+        if sp < 1:
+            raise ValueError("sequence_parallel_size must be at least 1.")
+        if sp > 1 and self.enable_expert_parallel and self.moe_combine != "all-to-all":
+            raise ValueError("--sequence-parallel-size with --enable-expert-parallel needs "
+                             "--moe-combine all-to-all: each SP rank holds other tokens, so "
+                             "the experts' partial sums cannot meet in one all-reduce.")
+
+    @property
+    def world_size(self) -> int:
+        return (self.tensor_parallel_size * self.sequence_parallel_size
+                * self.pipeline_parallel_size)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -117,13 +138,13 @@ class EngineArgs:
                           self.max_num_seqs, self.kv_transfer_config)
 
     def rank_layout(self) -> RankLayout:
-        """tp × pp ranks over `nnodes` nodes."""
+        """pp × sp × tp ranks over `nnodes` nodes."""
         partition = self.pp_layer_partition
         return RankLayout(
-            self.tensor_parallel_size * self.pipeline_parallel_size, self.tensor_parallel_size,
+            self.world_size, self.tensor_parallel_size,
             self.nnodes, self.master_addr, self.master_port,
             tuple(int(n) for n in partition.split(",")) if partition else None,
-            self.enable_expert_parallel, self.moe_combine)
+            self.enable_expert_parallel, self.moe_combine, self.sequence_parallel_size)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -117,7 +117,7 @@ class MultiprocExecutor(Executor):
         super().__init__()
         layout = layout.with_port()
         self.world_size = layout.world_size
-        self.max_batches_in_flight = layout.world_size // layout.tp_size  # one per stage
+        self.max_batches_in_flight = layout.num_stages  # one per stage
         self._stopping = False
         self.procs = spawn_ranks(spec, layout, 0)
         try:

@@ -58,9 +58,10 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """How ranks are laid out: world = tp × pp ranks over `nnodes` nodes (rank = node × ranks
-    per node + local rank; stage = rank // tp), meeting at master_addr:master_port (None: a
-    free port of this machine, chosen when the ranks start)."""
+    """How ranks are laid out: world = pp × sp × tp ranks over `nnodes` nodes (rank = node ×
+    ranks per node + local rank; stage = rank // (sp × tp), tp fastest), meeting at
+    master_addr:master_port (None: a free port of this machine, chosen when the ranks
+    start)."""
 
     world_size: int = 1
     tp_size: int = 1
@@ -70,10 +71,15 @@ class RankLayout:
     pp_layer_partition: tuple[int, ...] | None = None
     enable_expert_parallel: bool = False
     moe_combine: str = "all-reduce"
+    sp_size: int = 1
 
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def num_stages(self) -> int:
+        return self.world_size // (self.tp_size * self.sp_size)
 
     def with_port(self) -> RankLayout:
         """This layout with a port to meet at: its own, else a free one."""
@@ -84,7 +90,7 @@ class RankLayout:
             raise ValueError("a rank layout needs a master port before ranks join (with_port)")
         return DistributedConfig(node_rank * self.ranks_per_node + local_rank, self.world_size,
                                  local_rank, self.master_addr, self.master_port,
-                                 tp_size=self.tp_size,
+                                 tp_size=self.tp_size, sp_size=self.sp_size,
                                  pp_layer_partition=self.pp_layer_partition,
                                  enable_expert_parallel=self.enable_expert_parallel,
                                  moe_combine=self.moe_combine)

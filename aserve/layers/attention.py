@@ -89,6 +89,8 @@ class Attention(OpsLayer):
     cap * tanh(s / cap). Attention sinks (gpt-oss) come with each call (`forward`'s `sinks`).
     """
 
+    exchanges_heads = False  # True: rows travel between ranks around it (`UlyssesAttention`)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, soft_cap: float | None = None) -> None:
         super().__init__()

@@ -12,7 +12,8 @@ expert_map on rank 1:            [-1, -1, -1, 0, 1]        (global id -> local i
 combine "all-reduce":            every rank routes every token; sum of the ranks' partials
 combine "all-to-all":            rank r takes its share of the tokens, dispatches each slot to
                                  the expert's rank and gets it back (`distributed.all_to_all`),
-                                 then the ranks all-gather the tokens
+                                 then the ranks all-gather the tokens (within the TP group:
+                                 under SP the EP group is the whole stage, TP × SP ranks)
 ```
 
 Loading. One layout on every rank whatever the checkpoint's (`aserve.kernels.moe`): `w13`
@@ -33,13 +34,12 @@ from torch import nn
 
 from aserve.backends.ops import ExpertWeights, FusedMoEFn
 from aserve.config import MoEConfig
-from aserve.distributed.all_to_all import all_to_all_moe, expert_owners
+from aserve.distributed.all_to_all import all_gather_rows, all_to_all_moe, expert_owners
 from aserve.distributed.state import (
     expert_range,
-    get_ep_group,
-    get_ep_rank,
     get_ep_size,
     get_moe_combine,
+    get_tp_group,
     get_tp_rank,
     get_tp_size,
     tp_all_reduce,
@@ -196,27 +196,19 @@ class FusedMoE(PreparedLayer):
 
     def _all_to_all(self, x: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor) -> torch.Tensor:
-        """Tokens replicated on every rank: each takes its share, dispatches it, and the shares
-        are gathered back (the sequence-parallel layout enters with its own share)."""
-        rank, size, num_tokens = get_ep_rank(), self.ep_size, x.shape[0]
+        """The tokens of this rank's TP group (the same on each of its ranks): each rank takes
+        its share, dispatches it over the EP group (the stage: TP × SP ranks), and the shares
+        are gathered back within the TP group. Under sequence parallelism the group already
+        holds only its own slice of the step's tokens."""
+        rank, size, num_tokens = get_tp_rank(), get_tp_size(), x.shape[0]
         bounds = [r * num_tokens // size for r in range(size + 1)]
         mine = slice(bounds[rank], bounds[rank + 1])
         if self._owners is None:
             self._owners = expert_owners(self.num_experts, x.device)
         out = all_to_all_moe(x[mine], topk_weights[mine], topk_ids[mine], self._owners,
                              self._run)
-        return all_gather_rows(out, bounds)
-
-
-def all_gather_rows(rows: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-    """Every EP rank's `rows` (rank r's are bounds[r]:bounds[r+1] of the whole), concatenated."""
-    size = len(bounds) - 1
-    width = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    padded = rows.new_zeros((width, *rows.shape[1:]))
-    padded[:rows.shape[0]] = rows
-    parts = [torch.empty_like(padded) for _ in range(size)]
-    torch.distributed.all_gather(parts, padded, group=get_ep_group())
-    return torch.cat([p[:b - a] for p, a, b in zip(parts, bounds[:-1], bounds[1:])])
+        counts = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        return all_gather_rows(out, counts, get_tp_group())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from aserve.backends.ops import DecoderLayerFn, DecoderLayerWeights
 from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
-from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.attention import AttentionMetadata
 from aserve.layers.bind import OpsLayer
 from aserve.layers.embedding import VocabEmbedding
 from aserve.layers.linear import (
@@ -30,6 +30,7 @@ from aserve.layers.linear import (
 from aserve.layers.moe import SparseMoeBlock
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
+from aserve.layers.ulysses import make_attention
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.causal_lm import CausalLM, DecoderStack
 
@@ -47,6 +48,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(arch.hidden_size, d, arch.num_heads, arch.num_kv_heads,
                                           bias=arch.attention_bias)
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads  # this TP rank's
         self.q_size, self.kv_size = num_heads * d, num_kv_heads * d
         self.o_proj = RowParallelLinear(arch.num_heads * d, arch.hidden_size,
                                         bias=arch.o_proj_bias)
@@ -54,8 +56,8 @@ class LlamaAttention(nn.Module):
         self.k_norm = norm_cls(d, arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
         scale = (arch.query_pre_attn_scalar or d) ** -0.5
-        self.attn = Attention(num_heads, num_kv_heads, d, scale, sliding_window,
-                              arch.attn_logit_softcapping)
+        self.attn = make_attention(num_heads, num_kv_heads, d, scale, sliding_window,
+                                   arch.attn_logit_softcapping)
         self.sinks = None  # gpt-oss: [num_heads] float32, this rank's heads
         if arch.attention_sinks:
             self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32),
@@ -72,8 +74,8 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             d = self.attn.head_dim
-            q = self.q_norm(q.reshape(-1, self.attn.num_heads, d)).view(-1, self.q_size)
-            k = self.k_norm(k.reshape(-1, self.attn.num_kv_heads, d)).view(-1, self.kv_size)
+            q = self.q_norm(q.reshape(-1, self.num_heads, d)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, d)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)  # [T, q_size], [T, kv_size]
         if self.sinks is not None:
             return self.o_proj(self.attn(q, k, v, attn_metadata, sinks=self.sinks))
@@ -152,7 +154,8 @@ class LlamaDecoderLayer(OpsLayer):
     def _fast_path(self) -> DecoderLayerFn | None:
         kv_cache = self.self_attn.attn.kv_cache
         if (self.ops.decoder_layer is None or kv_cache is None
-                or not isinstance(self.mlp, LlamaMLP) or self.self_attn.sinks is not None):
+                or not isinstance(self.mlp, LlamaMLP) or self.self_attn.sinks is not None
+                or self.self_attn.attn.exchanges_heads):
             return None
         if self._fast is None or self._fast[0] is not kv_cache:
             self._fast = (kv_cache, self.ops.decoder_layer(self.layer_weights()))

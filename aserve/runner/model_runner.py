@@ -24,6 +24,7 @@ from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutpu
 from aserve.distributed import (
     get_pp_rank,
     get_pp_size,
+    get_sp_rank,
     get_tp_rank,
     recv_from_stage,
     send_to_stage,
@@ -39,6 +40,7 @@ from aserve.runner.kv_cache import allocate_kv_buffers, kv_buffer_ids, layer_pla
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
+from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.sampling_params import SamplingParams, SamplingType
 from aserve.structured_output import apply_token_bitmask, fill_token_bitmask, masked_argmax
 
@@ -177,9 +179,11 @@ class ModelRunner:
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             max_query_len=max(query_lens), max_seq_len=max(query_lens),
             query_start_loc_cpu=starts.tolist(), seq_lens_cpu=list(query_lens))
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = local_rows(positions)  # (this rank's rows under sequence parallelism)
+        input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self._tensor(positions), metadata)
-        self.model.compute_logits(hidden[self._tensor(starts[1:].astype(np.int64) - 1)])
+        last_rows = starts[1:].astype(np.int64) - 1
+        self.model.compute_logits(gather_rows(hidden, last_rows, num_tokens))
         self.platform.synchronize(self.device)
 
     # ------------------------------------------------------------------ state
@@ -309,24 +313,31 @@ class ModelRunner:
         """The forward and the logits of `inputs.logits_indices`: every rank runs this on the
         same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
         each stage runs its layers and sends its hidden states on (without waiting for them to
-        arrive); only the last stage returns logits, which it also sends back to stage 0."""
+        arrive); only the last stage returns logits, which it also sends back to stage 0. Under
+        sequence parallelism a rank runs its slice of the rows (`runner/sequence_parallel.py`),
+        the rows with logits are gathered over the SP group and the first SP rank's TP group
+        computes the logits."""
         stage, num_stages = get_pp_rank(), get_pp_size()
+        input_ids, positions = local_rows(inputs.input_ids), local_rows(inputs.positions)
         intermediate = None
         if stage > 0:
-            shape = (len(inputs.input_ids), self.arch.hidden_size)
+            shape = (len(input_ids), self.arch.hidden_size)
             hidden, residual = recv_from_stage([shape, shape], self.arch.dtype, self.device,
                                                stage - 1)
             intermediate = (hidden, residual)
         if self.graphs is not None and self.graphs.can_run(inputs):
             out = self.graphs.run(inputs)  # [num_tokens, hidden_size]
         else:
-            out = self.model(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
+            out = self.model(self._tensor(input_ids), self._tensor(positions),
                              self._attn_metadata(inputs), intermediate)
         self.platform.mark_step()  # XLA: run the traced forward (KV-cache writes included) now
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
             return None
-        logits = self.model.compute_logits(out[self._tensor(inputs.logits_indices)])
+        hidden = gather_rows(out, inputs.logits_indices, len(inputs.input_ids))
+        if get_sp_rank() > 0:
+            return None  # (the first SP rank's logits are the ones sampled)
+        logits = self.model.compute_logits(hidden)
         if stage > 0 and get_tp_rank() == 0 and len(inputs.logits_indices):
             send_to_stage([logits], 0)  # to rank 0, the one that samples (the other TP ranks'
             # logits are the same all-gathered ones, and nobody would receive them)

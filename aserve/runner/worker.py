@@ -25,6 +25,7 @@ from aserve.distributed import (
     get_ep_size,
     get_moe_combine,
     get_pp_size,
+    get_sp_size,
     get_tp_rank,
     get_tp_size,
     init_distributed,
@@ -121,7 +122,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int,
                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches (not
-        under the MoE all-to-all combine, whose split sizes the host reads every step)."""
+        under the MoE all-to-all combine, whose split sizes the host reads every step, nor
+        under sequence parallelism, whose rows the graphs do not split)."""
         self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
         if self.kv_transfer_config is not None:
             connector = create_connector(self.kv_transfer_config, KVConnectorRole.WORKER,
@@ -131,7 +133,7 @@ class Worker:
             self.runner.kv_connector = connector
         all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
-                and not all_to_all):
+                and not all_to_all and get_sp_size() == 1):
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
 

@@ -86,6 +86,10 @@ ENGINE_HELP = {
     "moe_combine": "with --enable-expert-parallel: all-reduce (every rank routes every token) "
                    "| all-to-all (each rank's share of the tokens travels to its experts' "
                    "ranks and back)",
+    "sequence_parallel_size": "Ulysses sequence parallelism: ranks that split each step's "
+                              "tokens (embedding, norms, MLP / MoE) and trade them for heads "
+                              "around attention (each rank's KV cache holds a share of the "
+                              "heads); world = pp x sp x tp ranks",
     "structured_outputs_any_whitespace": "JSON constraints (response_format, "
         "structured_outputs.json) allow free whitespace between JSON tokens, as vLLM does "
         "(default: compact JSON, on which a weak model cannot loop on whitespace)",

@@ -1,0 +1,150 @@
+"""Batch-1 decode against this machine's memory-bandwidth roofline (issue 19, item 3): a decode
+step at batch 1 streams every weight once, so TPOT cannot beat weight bytes / read bandwidth.
+Prints one JSON line.
+
+    python benchmarks/roofline.py --model DIR [--gguf F] [--llamacpp-venv V] [-o 128]
+
+- bandwidth: the best of several passes of a streaming read (a sum) over a buffer far larger
+  than the caches, with torch's threads (all cores), in GB/s; a bf16 copy too (read + write);
+- weight bytes per token: every linear layer of every decoder layer, the norms, and the LM head
+  (for a tied model the embedding matrix, read once as the head); the embedding lookup reads
+  one row;
+- roofline TPOT = bytes / bandwidth;
+- aserve: offline, one request, --output-len greedy tokens; TPOT from the engine's step log
+  (first token's step to the last's, over the tokens between), the best of --repeats; and the
+  model's own time per decode step;
+- llama.cpp (with --gguf): `llama-bench -p 0 -n O -t cores -r 3` on the same model's GGUF: its
+  t/s as TPOT.
+
+Each engine's TPOT is also given as the fraction of the roofline it reaches (roofline TPOT /
+TPOT; goal >= 0.8) and aserve's over llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from common import emit, make_prompts, vocab_size_of  # noqa: E402
+
+
+def read_bandwidth(gib: float, repeats: int) -> dict:
+    """GB/s of a streaming read (sum over a float32 view) and of a bf16 copy, best of
+    `repeats`."""
+    import torch
+
+    n = int(gib * 2**30) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    best_read = best_copy = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best_read = min(best_read, time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    nbytes = x.numel() * 4
+    return {"read_gb_s": round(nbytes / best_read / 1e9, 2),
+            "copy_gb_s": round(2 * nbytes / best_copy / 1e9, 2), "buffer_gib": gib,
+            "threads": torch.get_num_threads()}
+
+
+def weight_bytes_per_token(model_dir: str, itemsize: int = 2) -> dict:
+    """Bytes a batch-1 decode step reads of the weights (Llama family)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = c.get("text_config", c)
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", heads)
+    d = c.get("head_dim") or h // heads
+    inter, layers, vocab = c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
+    per_layer = (h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter + 2 * h)
+    head = vocab * h
+    total = layers * per_layer + head + h + h  # the layers, the LM head, the final norm, a row
+    return {"bytes": total * itemsize, "layers_bytes": layers * per_layer * itemsize,
+            "lm_head_bytes": head * itemsize, "params_read": total}
+
+
+def aserve_batch1(args: argparse.Namespace) -> dict:
+    """TPOT from the engine's step log: the steps' end times, first token (the prefill's step)
+    to last, over the tokens between; best of --repeats."""
+    from aserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=1)
+    prompt = {"prompt_token_ids": make_prompts(1, args.input_len, vocab_size_of(args.model))[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    core = llm.engine_core
+    best = None
+    for _ in range(args.repeats):
+        llm.reset_prefix_cache()
+        since = time.monotonic()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        wall = time.perf_counter() - t0
+        steps = [s for s in core.step_log.snapshot() if s[0] >= since]
+        decodes = [s for s in steps if s[1] == 0]
+        ends = [steps[0][0]] + [s[0] for s in decodes]  # the prefill's step gives token 1
+        run = {"tpot_ms": round(1000 * (ends[-1] - ends[0]) / (len(ends) - 1), 3),
+               "forward_ms_per_decode_step": round(
+                   1000 * sum(s[3] for s in decodes) / len(decodes), 3),
+               "num_steps": len(steps), "request_s": round(wall, 3)}
+        if best is None or run["tpot_ms"] < best["tpot_ms"]:
+            best = run
+    core.shutdown()
+    return best
+
+
+def llamacpp_batch1(args: argparse.Namespace) -> dict:
+    bench = args.llamacpp_venv.expanduser() / "bin" / "llama-bench"
+    cmd = [str(bench), "-m", str(args.gguf), "-p", "0", "-n", str(args.output_len),
+           "-t", str(os.cpu_count()), "-r", str(args.repeats), "-o", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
+    (row,) = [r for r in json.loads(out.stdout) if r.get("n_gen")]
+    return {"tokens_per_s": round(row["avg_ts"], 2), "tpot_ms": round(1000 / row["avg_ts"], 3),
+            "command": " ".join(cmd)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--gguf", type=Path, default=None)
+    p.add_argument("--llamacpp-venv", type=Path,
+                   default=Path("~/.cache/aserve-peers/llamacpp-venv"))
+    p.add_argument("-i", "--input-len", type=int, default=16)
+    p.add_argument("-o", "--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--buffer-gib", type=float, default=2.0)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    bandwidth = read_bandwidth(args.buffer_gib, max(5, args.repeats))
+    weights = weight_bytes_per_token(args.model)
+    roofline_ms = weights["bytes"] / (bandwidth["read_gb_s"] * 1e9) * 1000
+    result = {"benchmark": "roofline", "model": args.model, "bandwidth": bandwidth,
+              "weights": weights, "roofline_tpot_ms": round(roofline_ms, 3),
+              "aserve": aserve_batch1(args)}
+    engines = ["aserve"]
+    if args.gguf is not None:
+        result["llamacpp"] = llamacpp_batch1(args)
+        engines.append("llamacpp")
+    for engine in engines:
+        result[engine]["fraction_of_roofline"] = round(roofline_ms / result[engine]["tpot_ms"], 3)
+    if "llamacpp" in result:
+        result["aserve_tpot_over_llamacpp"] = round(
+            result["aserve"]["tpot_ms"] / result["llamacpp"]["tpot_ms"], 3)
+    emit(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""benchmarks/roofline.py on the tiny llama (bf16), without llama.cpp: the bandwidth, the weight
+bytes a batch-1 step reads (checked against the checkpoint's own tensors), aserve's TPOT from
+its step log, and the fraction. Structure only: no timing thresholds."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import roofline  # noqa: E402
+
+
+def test_weight_bytes_are_the_checkpoints_tensors(llama_dir):
+    from safetensors import safe_open
+
+    params = 0
+    for path in llama_dir.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    config = json.loads((llama_dir / "config.json").read_text())
+    weights = roofline.weight_bytes_per_token(str(llama_dir), itemsize=2)
+    # a tied model's checkpoint holds the embedding once, which a step reads as the LM head
+    # (plus one embedding row); untied, the embedding table is not streamed
+    extra_row = config["hidden_size"]
+    if not config.get("tie_word_embeddings", False):
+        params -= config["vocab_size"] * config["hidden_size"]
+    assert weights["params_read"] == params + extra_row
+
+
+@pytest.mark.spawns
+def test_the_report(llama_dir, tmp_path):
+    out = tmp_path / "o.json"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--model", str(llama_dir),
+         "-o", "8", "--repeats", "1", "--buffer-gib", "0.25", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bandwidth"]["read_gb_s"] > 0 and report["roofline_tpot_ms"] > 0
+    aserve = report["aserve"]
+    assert aserve["num_steps"] == 8 and aserve["tpot_ms"] > 0
+    assert aserve["fraction_of_roofline"] == pytest.approx(
+        report["roofline_tpot_ms"] / aserve["tpot_ms"], abs=0.002)
+    assert "llamacpp" not in report
