@@ -152,3 +152,15 @@ def test_a_p2p_consumer_checks_the_producer_before_it_pulls(changes, reason):
         assert pull.remote_ids == ((1, 2, 3), (5, 6)) and pull.local_ids == ((7, 8, 9),
                                                                             (11, 12))
     assert connector.get_num_new_matched_tokens(request, 0) == (0, True)  # once
+
+
+@pytest.mark.parametrize("layout", [{"pipeline_parallel_size": 2},
+                                    {"sequence_parallel_size": 2}])
+def test_a_connector_under_pipeline_or_sequence_parallelism_is_refused(tmp_path, layout):
+    from aserve.engine.arg_utils import EngineArgs, KVTransferConfigError
+
+    config = {"kv_connector": "SharedStorageConnector",
+              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    with pytest.raises(KVTransferConfigError, match="pipeline or sequence parallelism"):
+        EngineArgs(model="unused", kv_transfer_config=config, **layout)
+    EngineArgs(model="unused", kv_transfer_config=config)  # one rank: fine
