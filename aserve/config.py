@@ -7,7 +7,8 @@ places one rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -106,9 +107,85 @@ class ModelInfo:
     default_max_num_batched_tokens: int = 4096
     # Per model layer: its sliding window, None for full attention (empty: all full).
     layer_windows: tuple[int | None, ...] = ()
+    # What a KV block's bytes depend on (the model's weights and config, dtype, block size,
+    # the tensor-parallel layout): KV stored under another key is never loaded here.
+    kv_cache_key: str = ""
 
 
 MOE_COMBINES = ("all-reduce", "all-to-all")  # how expert-parallel outputs meet
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config` / `LLM(kv_transfer_config=...)`: vLLM's keys, as vLLM spells them.
+
+    `kv_connector` names the connector (`aserve.kv_transfer.CONNECTORS`; the engine checks
+    it), `kv_role` what this instance does: produce KV (a prefill instance), consume it (a
+    decode instance) or both. `kv_ip` / `kv_port` are where a peer-to-peer producer listens
+    (rank r of its tensor-parallel group on `kv_port + r`); `engine_id` names this instance
+    in the `kv_transfer_params` it hands out (None: a random id). vLLM's other top-level keys
+    (`kv_buffer_device`, `kv_buffer_size`, `kv_rank`, `kv_parallel_size`,
+    `kv_connector_module_path`) are accepted and unused; any other key is refused.
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict = field(default_factory=dict, hash=False, compare=False)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_buffer_device: str | None = None
+    kv_buffer_size: float | None = None
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_connector_module_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError("kv_transfer_config.kv_connector must name a connector, got "
+                             f"{self.kv_connector!r}.")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}.")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_transfer_config.kv_connector_extra_config must be a JSON "
+                             "object.")
+        if (not isinstance(self.kv_port, int) or isinstance(self.kv_port, bool)
+                or not 0 < self.kv_port < 65536):
+            raise ValueError(f"kv_transfer_config.kv_port must be a TCP port, got "
+                             f"{self.kv_port!r}.")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_value(cls, value: KVTransferConfig | dict | str) -> KVTransferConfig:
+        """From itself, a dict of vLLM's keys, or their JSON text; a ValueError names what
+        is wrong (malformed JSON, an unknown key, a bad role)."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError("kv_transfer_config must be a JSON object, got "
+                             f"{type(value).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: "
+                             f"{', '.join(sorted(known))}.")
+        if "kv_connector" not in value:
+            raise ValueError("kv_transfer_config needs kv_connector.")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

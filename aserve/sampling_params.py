@@ -76,6 +76,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Disaggregated prefill: what the KV connector reads of this request (vLLM's
+    # `kv_transfer_params`, e.g. {"do_remote_decode": true}); checked against the engine's
+    # connector. vLLM carries it in `extra_args["kv_transfer_params"]`, accepted here too.
+    kv_transfer_params: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine from the model's generation config, not by users.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     # Filled by the engine: `structured_outputs` compiled for this model's tokenizer.
@@ -88,6 +93,16 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.extra_args and "kv_transfer_params" in self.extra_args:
+            if self.kv_transfer_params is not None:
+                raise ValueError("kv_transfer_params is given twice: as a field and in "
+                                 "extra_args; give one.")
+            self.kv_transfer_params = self.extra_args["kv_transfer_params"]
+            self.extra_args = {k: v for k, v in self.extra_args.items()
+                               if k != "kv_transfer_params"}  # (moved: `replace` copies it)
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be a dict (a JSON object), got "
+                             f"{type(self.kv_transfer_params).__name__}.")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.top_k == 0:

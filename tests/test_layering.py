@@ -75,6 +75,14 @@ def violations() -> list[str]:
     return found
 
 
+def test_the_core_depends_on_the_connector_protocol_not_on_kv_transfer():
+    """The engine injects the KV connector; the core knows only `core/kv_connector.py`'s
+    protocol, and the connectors reach the core and nothing above it."""
+    assert ALLOWED["core"] == set() and ALLOWED["kv_transfer"] == {"core"}
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        assert not [n for n in imports_of(path) if n.startswith("aserve.kv_transfer")], path
+
+
 def test_packages_import_only_what_design_allows():
     assert violations() == []
 

@@ -86,10 +86,13 @@ class KVCacheCoordinator:
         return result, length
 
     def allocate_slots(self, request: Request, num_tokens: int,
-                       new_computed_blocks: GroupBlocks | None = None) -> GroupBlocks | None:
+                       new_computed_blocks: GroupBlocks | None = None,
+                       delay_cache_blocks: bool = False) -> GroupBlocks | None:
         """Cover `num_tokens` tokens of `request` in every group, taking `new_computed_blocks`
         (a prefix hit; only for a request that holds nothing yet). Returns the new blocks per
-        group, or None, changing nothing, when the pool has too few free blocks."""
+        group, or None, changing nothing, when the pool has too few free blocks.
+        `delay_cache_blocks`: register nothing (blocks a KV connector is still loading:
+        `cache_loaded_blocks` registers them once they hold their K/V)."""
         req_id, num_computed = request.request_id, request.num_computed_tokens
         hits = new_computed_blocks or self.empty_blocks()
         assert len(hits) == self.num_groups, f"{len(hits)} hit lists for {self.num_groups} groups"
@@ -104,11 +107,22 @@ class KVCacheCoordinator:
         for manager, hit in zip(self.managers, hits, strict=True):
             manager.save_new_computed_blocks(req_id, hit)
         new_blocks = tuple(m.allocate_new_blocks(req_id, num_tokens) for m in self.managers)
-        if self.pool.enable_caching:
+        if self.pool.enable_caching and not delay_cache_blocks:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_tokens)
         return new_blocks
+
+    def cache_loaded_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """A KV connector has loaded the request's blocks up to `num_computed_tokens`: null
+        (and free) what the sliding groups no longer read — such a block may hold nothing its
+        peer still had — then register the full blocks that remain."""
+        for manager in self.managers:
+            manager.remove_skipped_blocks(request.request_id, num_computed_tokens)
+        if self.pool.enable_caching:
+            update_block_hashes(request, self.block_size)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(req_id) for m in self.managers)

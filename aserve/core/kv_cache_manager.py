@@ -84,6 +84,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
+        num_external_tokens: int = 0,
     ) -> tuple[list[int], ...] | None:
         """Grow the request's blocks in every group to cover its computed, newly cached and new
         tokens, first freeing the blocks its sliding groups no longer read.
@@ -91,10 +92,15 @@ class KVCacheManager:
         Returns the ids of the blocks allocated per group (not `new_computed_blocks`), or None,
         changing nothing, when too few blocks are free. A free block in `new_computed_blocks`
         leaves the free queue when taken, so it does not count as available for new blocks.
+        `num_external_tokens`: tokens past the hit a KV connector will load into the new
+        blocks (then `num_new_tokens` is 0, and nothing is registered in the prefix cache
+        until `cache_loaded_blocks`).
         """
-        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+                      + num_external_tokens)
         is_new = not self.coordinator.holds(request.request_id)
-        new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks)
+        new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
+                                                     delay_cache_blocks=num_external_tokens > 0)
         if new_blocks is None:
             return None
         if is_new:
@@ -105,6 +111,10 @@ class KVCacheManager:
         if self.enable_caching and request.sampling_params.prompt_logprobs is None:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
+
+    def cache_loaded_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the blocks a KV connector loaded (see `KVCacheCoordinator`)."""
+        self.coordinator.cache_loaded_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """Per group, the request's block ids in order (0, the null block, where skipped)."""

@@ -15,7 +15,9 @@ positions are outside every window, so attention never reads them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.sampling_params import SamplingParams
 
 
@@ -49,6 +51,9 @@ class SchedulerOutput:
     # Requests the runner must forget before this step: finished, aborted or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's work for this step (`KVConnectorScheduler.build_connector_meta`);
+    # None without a connector.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -77,6 +82,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Wall time of the model itself (forward + logits), to tell engine overhead apart.
     forward_seconds: float = 0.0
+    # Transfers the KV connector finished this step, on every rank (None: no connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass
@@ -88,6 +95,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # The KV connector's `request_finished` answer, on the finished output only.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,3 +111,11 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0  # since start
+    # The KV connector, since start: prompt tokens asked of it and loaded from it, requests
+    # recomputed after a failed load, and what the workers moved (bytes, seconds).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    num_kv_load_failures: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    num_waiting_for_remote_kvs: int = 0  # now: requests whose KV is being loaded

@@ -10,12 +10,13 @@ from aserve.sampling_params import SamplingParams
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
+    WAITING_FOR_REMOTE_KVS = 1  # blocks allocated, a KV connector loading them: not scheduled
+    RUNNING = 2
+    PREEMPTED = 3
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -64,6 +65,14 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
         self.max_tokens = sampling_params.max_tokens or 1 << 62
         self.stop_token_ids = sampling_params.all_stop_token_ids
+        # A KV connector's side: tokens it is loading (WAITING_FOR_REMOTE_KVS) or loaded, and
+        # whether a load failed (the connector is then not asked again).
+        self.num_external_computed_tokens = 0
+        self.kv_load_failed = False
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        return self.sampling_params.kv_transfer_params
 
     @property
     def num_prompt_tokens(self) -> int:

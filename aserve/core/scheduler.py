@@ -17,16 +17,23 @@ decodes has the whole budget for prefill.
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block
 ids travel as one list per group.
+
+With a KV connector (`core/kv_connector.py`, injected by the engine) a waiting request may
+have KV to load: it gets its blocks, waits in `waiting_for_remote_kvs` (status
+WAITING_FOR_REMOTE_KVS) while the workers load them, and goes back to the front of the queue
+once loaded (or, after a failed load, to be computed from scratch). Blocks the workers still
+use after their request ended (sent to a peer; an abort while loading) stay allocated in
+`held_for_workers` until the workers report them done.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.kv_cache_utils import max_blocks_per_request
+from aserve.core.kv_connector import KVConnectorScheduler
 from aserve.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -36,29 +43,15 @@ from aserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
+from aserve.core.remote_kv import RemoteKVScheduling
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.step_cost import StepCostModel
+from aserve.core.step_cost import StepBudget, StepCostModel
 
 
-@dataclass
-class StepBudget:
-    """What is left of one step's token budget, and of the part of it prefill may take."""
-
-    num_tokens: int
-    num_prefill_tokens: int
-
-    def limit(self, is_prefill: bool) -> int:
-        return min(self.num_tokens, self.num_prefill_tokens) if is_prefill else self.num_tokens
-
-    def spend(self, num_tokens: int, is_prefill: bool) -> None:
-        self.num_tokens -= num_tokens
-        if is_prefill:
-            self.num_prefill_tokens -= num_tokens
-
-
-class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+class Scheduler(RemoteKVScheduling):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_connector: KVConnectorScheduler | None = None) -> None:
         if cache_config.num_blocks < 1:
             raise ValueError("CacheConfig.num_blocks must be set before building the scheduler.")
         self.config = scheduler_config
@@ -76,6 +69,15 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = StepCostModel()
         self._last_output: SchedulerOutput | None = None
+        self.connector = kv_connector
+        self.waiting_for_remote_kvs: dict[str, Request] = {}  # their blocks being loaded
+        self.loaded: list[Request] = []  # loaded, waiting to run (holding their blocks)
+        self.held_for_workers: dict[str, Request] = {}  # finished; blocks still in use
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.num_kv_load_failures = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_seconds = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -93,27 +95,49 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif loading:
+                del self.waiting_for_remote_kvs[req_id]
+            elif request in self.loaded:
+                self.loaded.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free(request)
+            self._free(request, loading)
             finished.append(request)
         return finished
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(request.request_id)
-        self.num_prompt_logprobs_sent.pop(request.request_id, None)
-        del self.requests[request.request_id]
+    def _free(self, request: Request, loading: bool = False) -> dict | None:
+        """Forget a finished request; free its blocks unless the workers still use them
+        (loading into them, or the connector sends them: `held_for_workers`). Returns the
+        connector's `kv_transfer_params` for the client."""
+        req_id, params, delay = request.request_id, None, loading
+        if self.connector is not None:
+            delay_free, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id))
+            delay = delay or delay_free
+        if delay:
+            self.held_for_workers[req_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(req_id)
+        self.num_prompt_logprobs_sent.pop(req_id, None)
+        del self.requests[req_id]
+        return params
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return (len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
+                + len(self.loaded))
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
+
+    def has_kv_transfers(self) -> bool:
+        """Finished requests whose blocks the workers still send or load into."""
+        return bool(self.held_for_workers)
 
     # ------------------------------------------------------------------ schedule
 
@@ -137,6 +161,8 @@ class Scheduler:
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # it samples: a token is on its way
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         self._last_output = output
         return output
 
@@ -214,30 +240,47 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
+        request.num_external_computed_tokens = 0  # loaded K/V gone too: recomputed
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, budget: StepBudget, num_scheduled: dict[str, int],
                           admitted: list[Request]) -> None:
+        self._admit_loaded(budget, num_scheduled, admitted)
         kv = self.kv_cache_manager
         while (len(self.waiting) and budget.num_tokens > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek()
             cached_blocks, num_cached = kv.get_computed_blocks(request)
+            num_external = self._num_external_tokens(request, num_cached)
+            if num_external:
+                if not self._start_remote_load(request, num_cached, cached_blocks,
+                                               num_external):
+                    break
+                continue
             num_new = self._num_tokens_to_schedule(request, num_cached, budget)
             if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
                                                  cached_blocks) is None:
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, kv.get_block_ids(request.request_id), 0)
+                if not request.kv_load_failed and request.sampling_params.prompt_logprobs is None:
+                    self.external_prefix_cache_queries += request.num_tokens  # (asked: none)
             self.waiting.pop()
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            admitted.append(request)
-            num_scheduled[request.request_id] = num_new
-            budget.spend(num_new, _is_prefill(request, num_cached, num_new))
+            self._admit(request, num_cached, num_new, budget, num_scheduled, admitted)
+
+    def _admit(self, request: Request, num_computed: int, num_new: int, budget: StepBudget,
+               num_scheduled: dict[str, int], admitted: list[Request]) -> None:
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        admitted.append(request)
+        num_scheduled[request.request_id] = num_new
+        budget.spend(num_new, _is_prefill(request, num_computed, num_new))
 
     def _make_output(self, num_scheduled: dict[str, int],
                      new_block_ids: dict[str, tuple[list[int], ...]],
@@ -268,6 +311,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if runner_output.kv_connector_output is not None:
+            self._update_from_kv_output(runner_output.kv_connector_output)
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
                                   runner_output.forward_seconds)
@@ -287,12 +332,14 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             request.append_output_token_ids([token_id])
+            kv_transfer_params = None
             if self._check_stop(request, token_id):
                 self.running.remove(request)
-                self._free(request)
+                kv_transfer_params = self._free(request)
             outputs.append(EngineCoreOutput(
                 req_id, [token_id], runner_output.logprobs.get(req_id), prompt_logprobs,
-                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0)))
+                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
+                kv_transfer_params))
         return outputs
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
@@ -335,6 +382,12 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            external_prefix_cache_queries=self.external_prefix_cache_queries,
+            external_prefix_cache_hits=self.external_prefix_cache_hits,
+            num_kv_load_failures=self.num_kv_load_failures,
+            kv_transfer_bytes=self.kv_transfer_bytes,
+            kv_transfer_seconds=self.kv_transfer_seconds,
+            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -347,8 +400,12 @@ class Scheduler:
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is running twice"
+        remote_ids = set(self.waiting_for_remote_kvs) | {r.request_id for r in self.loaded}
         assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self.requests), "request table out of sync"
+        assert not (running_ids | waiting_ids) & remote_ids, "a loading request is queued"
+        assert running_ids | waiting_ids | remote_ids == set(self.requests), (
+            "request table out of sync")
+        assert not set(self.held_for_workers) & set(self.requests), "a held request runs"
         assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
         max_blocks = [max_blocks_per_request(g, self.config.max_model_len,
                                              self.config.max_num_batched_tokens)
@@ -369,6 +426,16 @@ class Scheduler:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
             assert request.num_output_placeholders == 0, request
+        for request in self.loaded:
+            assert request.status == RequestStatus.WAITING and request.num_external_computed_tokens
+            assert kv.holds_blocks(request.request_id), f"loaded {request} holds no blocks"
+        for request in self.waiting_for_remote_kvs.values():
+            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request
+            num_loaded = request.num_computed_tokens + request.num_external_computed_tokens
+            for block_ids in kv.get_block_ids(request.request_id):
+                assert len(block_ids) * self.block_size >= num_loaded, request
+        for req_id in self.held_for_workers:
+            assert kv.holds_blocks(req_id), f"held {req_id} holds no blocks"
         output = self._last_output
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens

@@ -8,10 +8,12 @@ older ones weighted down by `decay` per step (so the fit follows the load), with
 on b so that steps all of one size still give a fit (b then shrinks to zero: unknown). The
 scheduler asks it how many prefill tokens a step that carries decodes may take
 (`max_prefill_tokens`). Pure Python: the seconds come from the runner's output, not a clock
-read here.
+read here. `StepBudget` is what is left of one step's budgets while the scheduler spends them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 RIDGE = 1.0  # added to Σ tokens² per unit of weight: one token², nothing at real sizes
 
@@ -63,3 +65,19 @@ class StepCostModel:
         if a <= 0 or b <= 0:
             return None
         return int(ratio * a / b)
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step's token budget, and of the part of it prefill may take."""
+
+    num_tokens: int
+    num_prefill_tokens: int
+
+    def limit(self, is_prefill: bool) -> int:
+        return min(self.num_tokens, self.num_prefill_tokens) if is_prefill else self.num_tokens
+
+    def spend(self, num_tokens: int, is_prefill: bool) -> None:
+        self.num_tokens -= num_tokens
+        if is_prefill:
+            self.num_prefill_tokens -= num_tokens

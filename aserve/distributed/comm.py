@@ -116,21 +116,31 @@ def recv_from_stage(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: t
     return tensors
 
 
-def send_control(message: Any) -> None:
-    """Rank 0: send `message` to every other rank, in order, without waiting for them."""
+def _send_pickled(message: Any, ranks: range | list[int]) -> None:
     payload = torch.frombuffer(bytearray(pickle.dumps(message, protocol=5)), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
-    for rank in range(1, dist.get_world_size()):
+    for rank in ranks:
         _isend(size, rank, _control_group)
         _isend(payload, rank, _control_group)
 
 
-def recv_control() -> Any:
-    """Ranks > 0: the next message rank 0 sent."""
+def send_control(message: Any) -> None:
+    """Rank 0: send `message` to every other rank, in order, without waiting for them."""
+    _send_pickled(message, range(1, dist.get_world_size()))
+
+
+def send_to_first_rank(message: Any) -> None:
+    """Ranks > 0: send `message` to rank 0 (a report it waits for), without waiting."""
+    _send_pickled(message, [0])
+
+
+def recv_control(src: int = 0) -> Any:
+    """The next control message from rank `src`: ranks > 0 receive rank 0's; rank 0 the
+    reports of the others."""
     size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, 0, group=_control_group)
+    dist.recv(size, src, group=_control_group)
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, 0, group=_control_group)
+    dist.recv(payload, src, group=_control_group)
     return pickle.loads(payload.numpy().tobytes())
 
 

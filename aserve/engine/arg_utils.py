@@ -9,10 +9,15 @@ from aserve.config import (
     MOE_COMBINES,
     CacheConfig,
     KVCacheGroupSpec,
+    KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
+
+
+class KVTransferConfigError(ValueError):
+    """`kv_transfer_config` is malformed or names what aserve does not have (the CLI exits 1)."""
 
 
 @dataclass
@@ -53,6 +58,9 @@ class EngineArgs:
     # Ulysses: ranks splitting each step's tokens outside attention (heads inside it); world =
     # pp × sp × tp ranks
     sequence_parallel_size: int = 1
+    # Disaggregated prefill: a KV connector, as vLLM's --kv-transfer-config (its JSON text, a
+    # dict of its keys or a KVTransferConfig: a KVTransferConfig once constructed); None: none
+    kv_transfer_config: KVTransferConfig | dict | str | None = None
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
     # MASTER_ADDR, MASTER_PORT) when set.
@@ -79,6 +87,7 @@ class EngineArgs:
         if self.moe_combine not in MOE_COMBINES:
             raise ValueError(f"moe_combine {self.moe_combine!r} must be one of "
                              f"{', '.join(MOE_COMBINES)}.")
+        self._check_kv_transfer_config()
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             if len(parts) != self.pipeline_parallel_size or not all(
@@ -86,6 +95,21 @@ class EngineArgs:
                 raise ValueError(f"pp_layer_partition {self.pp_layer_partition!r} must be "
                                  f"{self.pipeline_parallel_size} positive layer counts, "
                                  "comma-separated (one per pipeline stage).")
+
+    def _check_kv_transfer_config(self) -> None:
+        if self.kv_transfer_config is None:
+            return
+        from aserve.kv_transfer import check_config  # (torch: only when configured)
+
+        try:
+            self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
+            check_config(self.kv_transfer_config)
+        except ValueError as e:
+            raise KVTransferConfigError(str(e)) from None
+        if self.pipeline_parallel_size > 1 or self.sequence_parallel_size > 1:
+            raise KVTransferConfigError("kv_transfer_config does not work with pipeline or "
+                                        "sequence parallelism yet (pipeline_parallel_size or "
+                                        "sequence_parallel_size > 1).")
 
     def _check_sequence_parallel(self) -> None:
         """What sequence parallelism needs of the other flags (the heads it splits are checked
@@ -111,7 +135,7 @@ class EngineArgs:
     def worker_spec(self) -> WorkerSpec:
         """What every rank builds."""
         return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
-                          self.max_num_seqs)
+                          self.max_num_seqs, self.kv_transfer_config)
 
     def rank_layout(self) -> RankLayout:
         """pp × sp × tp ranks over `nnodes` nodes."""

@@ -170,7 +170,8 @@ class AsyncEngine:
             self.step_log = message.step_log
             self.processor = Processor(
                 self.tokenizer, message.model_info,
-                any_whitespace=self.args.structured_outputs_any_whitespace)
+                any_whitespace=self.args.structured_outputs_any_whitespace,
+                kv_transfer_config=self.args.kv_transfer_config)
             self._ready.set_result(None)
         elif isinstance(message, EngineDead):
             self.dead_error = message.error

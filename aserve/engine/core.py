@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -41,8 +42,12 @@ from aserve.engine.step_log import StepLog
 from aserve.executor import multiproc
 from aserve.executor.base import Executor
 from aserve.executor.factory import make_executor
+from aserve.kv_transfer import KVConnectorBase, KVConnectorRole, create_connector
 
 logger = logging.getLogger(__name__)
+
+KV_POLL_S = 0.002  # a step with nothing to compute, only KV transfers to wait for, waits this
+KV_IDLE_POLL_S = 0.05  # no request left, only blocks held for a peer: the inbox waits this
 
 
 def run_worker_node(args: EngineArgs) -> None:
@@ -96,8 +101,13 @@ class EngineCore:
         self.forward_seconds = 0.0  # the model's own time, summed over steps
         self.step_log = StepLog()  # recent steps' composition, read by the server's dashboard
         self.kv_cache_groups = groups
+        self.kv_connector: KVConnectorBase | None = None
+        if args.kv_transfer_config is not None:  # its scheduler side (each rank: a worker side)
+            self.kv_connector = create_connector(
+                args.kv_transfer_config, KVConnectorRole.SCHEDULER, self.model_info.kv_cache_key,
+                groups, args.block_size, 0, args.tensor_parallel_size)
         self.scheduler = Scheduler(args.scheduler_config(max_model_len),
-                                   args.cache_config(num_blocks, groups))
+                                   args.cache_config(num_blocks, groups), self.kv_connector)
         self.async_scheduling = args.async_scheduling
         self.max_in_flight = args.max_batches_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
@@ -113,15 +123,23 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def has_work(self) -> bool:
-        """Unfinished requests, or steps in flight whose outputs are still to collect."""
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        """Unfinished requests, steps in flight whose outputs are still to collect, or blocks
+        the KV connector still moves (their leases expire only while steps run)."""
+        return (self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+                or self.scheduler.has_kv_transfers())
+
+    def _wait_for_transfers(self, scheduler_output: SchedulerOutput) -> None:
+        """A step with nothing to compute only polls the KV connector: not in a hot loop."""
+        if self.kv_connector is not None and scheduler_output.is_empty and not self._in_flight:
+            time.sleep(KV_POLL_S)
 
     def step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
             return self._step_overlapped()
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
+        self._wait_for_transfers(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self._update(scheduler_output, runner_output)
 
@@ -136,8 +154,9 @@ class EngineCore:
         the oldest only when the pipeline is full or there is nothing new to start.
         """
         scheduler_output = None
-        if self.scheduler.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests() or self.scheduler.has_kv_transfers():
             scheduler_output = self.scheduler.schedule()
+            self._wait_for_transfers(scheduler_output)
         nothing_new = scheduler_output is None or not scheduler_output.total_num_scheduled_tokens
         done = None
         if self._in_flight and (len(self._in_flight) >= self.max_in_flight or nothing_new):
@@ -157,6 +176,16 @@ class EngineCore:
                                  num_decode, runner_output.forward_seconds)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    def step_kv_transfers(self) -> None:
+        """One step of the KV connector alone, waited for (steps in flight first): the
+        workers learn of the transfers the last steps started (a producer's handles) and
+        report the ones done. For the offline `LLM`, which steps only inside `generate`."""
+        while self._in_flight:
+            scheduler_output, future = self._in_flight.popleft()
+            self._update(scheduler_output, future.result())
+        scheduler_output = self.scheduler.schedule()
+        self._update(scheduler_output, self.executor.execute_model(scheduler_output))
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
@@ -169,9 +198,19 @@ class EngineCore:
 
     def run_busy_loop(self, inbox: queue.SimpleQueue[Command],
                       publish: Callable[[EngineMessage], None]) -> None:
-        """Serve commands and step until `Shutdown`. Blocks on the inbox only when idle."""
+        """Serve commands and step until `Shutdown`. Blocks on the inbox only when idle (when
+        only blocks held for a peer are left, for `KV_IDLE_POLL_S` at a time). Stats are
+        published with outputs, and whenever they change (a transfer freeing blocks)."""
+        published = None
         while True:
-            commands = [inbox.get()] if not self.has_work() else []
+            commands = []
+            if not self.has_work():
+                commands.append(inbox.get())
+            elif not self.scheduler.has_unfinished_requests() and not self._in_flight:
+                try:
+                    commands.append(inbox.get(timeout=KV_IDLE_POLL_S))
+                except queue.Empty:
+                    pass
             while True:
                 try:
                     commands.append(inbox.get_nowait())
@@ -188,8 +227,10 @@ class EngineCore:
                 elif isinstance(command, ResetPrefixCache):
                     command.reply(self.reset_prefix_cache())
             outputs = self.step()
-            if outputs or aborted:
-                publish(EngineCoreOutputs(aborted + outputs, self.stats()))
+            stats = self.stats()
+            if outputs or aborted or stats != published:
+                publish(EngineCoreOutputs(aborted + outputs, stats))
+                published = stats
 
 
 def run_engine_thread(args: EngineArgs, inbox: queue.SimpleQueue[Command],

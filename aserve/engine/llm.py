@@ -7,12 +7,13 @@ all are finished, return outputs in input order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
-from aserve.engine.core import EngineCore
+from aserve.engine.core import KV_IDLE_POLL_S, EngineCore
 from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
@@ -29,9 +30,11 @@ class LLM:
     Keyword arguments are `EngineArgs` fields: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, kv_cache_memory, num_kv_blocks,
     seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device, async_scheduling,
-    enforce_eager, tensor_parallel_size, sequence_parallel_size. With several ranks,
-    `shutdown()` (or leaving a `with` block) stops them; they are also stopped when the
-    interpreter exits.
+    enforce_eager, tensor_parallel_size, sequence_parallel_size, kv_transfer_config (a KV
+    connector for disaggregated prefill: vLLM's keys, as a dict or its JSON text; a request's
+    `SamplingParams.kv_transfer_params` then reaches it, and the producer's answer comes back
+    in `RequestOutput.kv_transfer_params`). With several ranks, `shutdown()` (or leaving a
+    `with` block) stops them; they are also stopped when the interpreter exits.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
@@ -44,7 +47,8 @@ class LLM:
         self.model_info = self.engine_core.model_info
         self.processor = Processor(
             self.tokenizer, self.model_info,
-            any_whitespace=self.engine_args.structured_outputs_any_whitespace)
+            any_whitespace=self.engine_args.structured_outputs_any_whitespace,
+            kv_transfer_config=self.engine_args.kv_transfer_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -80,7 +84,20 @@ class LLM:
         request_ids = [self._add_request(p, sp, prio)
                        for p, sp, prio in zip(processed, params, priority, strict=True)]
         results = {r.request_id: r for r in self._run_engine()}
+        if self.engine_core.scheduler.has_kv_transfers():
+            self.engine_core.step_kv_transfers()  # a producer's blocks: ready to be pulled
         return [results[request_id] for request_id in request_ids]
+
+    def wait_for_kv_transfers(self, timeout: float | None = None) -> bool:
+        """A KV producer: step until every block held for a consumer has been pulled, or
+        given up (its lease expired); False if some are still held after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.engine_core.scheduler.has_kv_transfers():
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            self.engine_core.step_kv_transfers()
+            time.sleep(KV_IDLE_POLL_S)
+        return True
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:

@@ -13,6 +13,7 @@ logprobs — and the prompt logprobs once, in the first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from aserve.core.outputs import EngineCoreOutput, LogprobsLists
 from aserve.engine.detokenizer import IncrementalDetokenizer
@@ -34,6 +35,7 @@ class ParentRequest:
     num_cached_tokens: int = 0
     stream: bool = False
     prompt_logprobs_sent: bool = False
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, when finished
 
     @property
     def finished(self) -> bool:
@@ -118,6 +120,8 @@ class OutputProcessor:
         if output.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
             parent.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
         parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+        if output.kv_transfer_params is not None:
+            parent.kv_transfer_params = output.kv_transfer_params
         child.token_ids.extend(output.new_token_ids)
         if output.new_logprobs is not None and child.logprobs is not None:
             for entry in self._logprob_dicts(output.new_logprobs):
@@ -175,7 +179,8 @@ class OutputProcessor:
             logprobs=completion.logprobs[start:] if completion.logprobs is not None else None,
             finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                             prompt_logprobs, [delta], parent.finished, parent.num_cached_tokens)
+                             prompt_logprobs, [delta], parent.finished, parent.num_cached_tokens,
+                             kv_transfer_params=parent.kv_transfer_params)
 
     def _request_output(self, parent: ParentRequest) -> RequestOutput:
         return RequestOutput(
@@ -186,4 +191,5 @@ class OutputProcessor:
             outputs=[c for c in parent.completions if c is not None],
             finished=True,
             num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
         )

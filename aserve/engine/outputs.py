@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -40,3 +41,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # A KV producer's answer once finished (what a consumer needs to load this prompt's K/V:
+    # vLLM's `kv_transfer_params`); None otherwise
+    kv_transfer_params: dict[str, Any] | None = None

@@ -12,10 +12,11 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from aserve.config import ModelInfo
+from aserve.config import KVTransferConfig, ModelInfo
 from aserve.core.request import Request
 from aserve.engine.output_processor import ParentRequest
 from aserve.engine.tokenizer import Tokenizer
+from aserve.kv_transfer import check_params
 from aserve.sampling_params import SamplingParams
 from aserve.structured_output import GrammarCompiler
 
@@ -30,9 +31,11 @@ class ProcessedPrompt:
 
 class Processor:
     def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo,
-                 any_whitespace: bool = False) -> None:
+                 any_whitespace: bool = False,
+                 kv_transfer_config: KVTransferConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.kv_transfer_config = kv_transfer_config  # None: kv_transfer_params are refused
         self.any_whitespace = any_whitespace  # False: JSON constraints without free whitespace
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first constraint
         self._grammar_lock = threading.Lock()
@@ -85,6 +88,8 @@ class Processor:
                              f"({self.model_info.vocab_size}), got {params.top_k}.")
         params = copy.copy(params)
         params.eos_token_ids = self.model_info.eos_token_ids
+        if params.kv_transfer_params is not None:
+            self._check_kv_transfer_params(params)
         spec = params.structured_outputs
         if spec is not None and params.compiled_grammar is None:
             if not self.any_whitespace and not spec.disable_any_whitespace:
@@ -93,6 +98,13 @@ class Processor:
                            if spec.start_after else None)
             params.compiled_grammar = self.grammar_compiler().compile(spec, start_after)
         return params
+
+    def _check_kv_transfer_params(self, params: SamplingParams) -> None:
+        """Against this engine's KV connector; the engine gets a copy of its own."""
+        check_params(params.kv_transfer_params, self.kv_transfer_config)
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params works with n=1 only, got n={params.n}.")
+        params.kv_transfer_params = copy.deepcopy(params.kv_transfer_params)
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The compiler of constraints for this tokenizer (cached compiled grammars inside)."""

@@ -133,3 +133,5 @@ class Executor:
         if self._collector is not None:
             self._collector.shutdown(wait=True)
             self._collector = None
+        if hasattr(self, "worker"):
+            self.worker.shutdown()  # the KV connector's threads and sockets

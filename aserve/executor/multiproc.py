@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.distributed import (
     DistributedConfig,
     flush_sends,
@@ -33,7 +34,14 @@ from aserve.distributed import (
     shutdown_distributed,
 )
 from aserve.executor.base import Executor
-from aserve.executor.messages import RankMessage, RunStep, Stop, handle
+from aserve.executor.messages import (
+    KVConnectorReport,
+    KVConnectorStep,
+    RankMessage,
+    RunStep,
+    Stop,
+    handle,
+)
 from aserve.executor.spec import RankLayout, WorkerSpec
 from aserve.runner.input_batch import PreparedInputs
 
@@ -44,20 +52,36 @@ def _threads_per_rank(ranks_on_node: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_on_node)
 
 
-def publish_step(inputs: PreparedInputs) -> None:
-    """Rank 0's `publish_inputs`: every other rank runs the same step."""
-    send_control(RunStep(inputs))
+def publish_step(inputs: PreparedInputs | None, kv_metadata=None) -> None:
+    """Rank 0's `publish_inputs`: every other rank runs the same step (None: a step of the
+    KV connector's only)."""
+    send_control(RunStep(inputs, kv_metadata) if inputs is not None
+                 else KVConnectorStep(kv_metadata))
+
+
+def gather_kv_reports() -> list[KVConnectorOutput]:
+    """Rank 0, after a step with a KV connector: every other rank's report of it."""
+    reports = []
+    for rank in range(1, torch.distributed.get_world_size()):
+        report = recv_control(rank)
+        if not isinstance(report, KVConnectorReport):
+            raise TypeError(f"rank {rank} answered {report!r}, not a KVConnectorReport")
+        reports.append(report.output)
+    return reports
 
 
 def worker_main(spec: WorkerSpec, distributed: DistributedConfig, threads: int) -> None:
     """Body of rank r > 0: join the group, load the shard, serve rank messages until told to
     stop (or until rank 0 goes away, which breaks the control channel)."""
     torch.set_num_threads(threads)
+    worker = None
     try:
         worker = spec.build(distributed)
         while handle(worker, recv_control()):
             pass
     finally:
+        if worker is not None:
+            worker.shutdown()
         shutdown_distributed()
 
 
@@ -98,7 +122,8 @@ class MultiprocExecutor(Executor):
         self.procs = spawn_ranks(spec, layout, 0)
         try:
             self.call(torch.set_num_threads, _threads_per_rank(layout.ranks_per_node))
-            self.worker = self.call(spec.build, layout.config(0, 0), publish_step)
+            self.worker = self.call(spec.build, layout.config(0, 0), publish_step,
+                                    gather_kv_reports)
         except BaseException:
             self.shutdown()  # the ranks, and rank 0's groups if it had joined them
             raise

@@ -10,11 +10,12 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from aserve.config import DistributedConfig, ModelConfig
+from aserve.config import DistributedConfig, KVTransferConfig, ModelConfig
 
 if TYPE_CHECKING:
+    from aserve.core.kv_connector import KVConnectorOutput
     from aserve.runner.input_batch import PreparedInputs
     from aserve.runner.worker import Worker
 
@@ -35,17 +36,24 @@ class WorkerSpec:
     device: str = "auto"
     enforce_eager: bool = False
     max_num_seqs: int = 256
+    kv_transfer_config: KVTransferConfig | None = None  # each rank builds a worker side
 
     def build(self, distributed: DistributedConfig | None = None,
-              publish_inputs: Callable[[PreparedInputs], None] | None = None) -> Worker:
+              publish_inputs: Callable[[PreparedInputs | None, Any], None] | None = None,
+              gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None
+              ) -> Worker:
         """This rank's worker; `distributed` is None for a single rank, `publish_inputs` is
-        rank 0's way of handing each step's inputs to the others (None elsewhere)."""
+        rank 0's way of handing each step's inputs (and KV connector work) to the others,
+        `gather_kv_reports` its way of collecting their KV connector reports (None
+        elsewhere)."""
         from aserve.runner.worker import Worker
 
         return Worker(self.model_config, self.block_size, self.device,
                       local_rank=distributed.local_rank if distributed else 0,
                       enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
-                      distributed=distributed, publish_inputs=publish_inputs)
+                      distributed=distributed, publish_inputs=publish_inputs,
+                      kv_transfer_config=self.kv_transfer_config,
+                      gather_kv_reports=gather_kv_reports)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch
 
 from aserve.backends import Platform
 from aserve.config import KVCacheGroupSpec, ModelConfig
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import (
     get_pp_rank,
@@ -29,6 +30,7 @@ from aserve.distributed import (
     send_to_stage,
     stage_layers,
 )
+from aserve.kv_transfer import KVConnectorBase, RankReports
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
@@ -74,6 +76,7 @@ class StartedStep:
     logits: torch.Tensor | None
     start: float
     masks: TokenMasks | None  # the constrained rows (their bitmask filled beside the forward)
+    kv_output: KVConnectorOutput | None = None  # every rank's, with a KV connector
 
 
 @dataclass
@@ -90,11 +93,19 @@ class TokenMasks:
 class ModelRunner:
     """`publish_inputs`: rank 0 of several ranks hands each step's inputs to the others with it,
     just before running them, so that every rank runs the same forward (None: one rank, or a
-    rank > 0, which receives its inputs instead)."""
+    rank > 0, which receives its inputs instead); with a KV connector, the step's connector
+    metadata too, and `gather_kv_reports` then collects the other ranks' reports after it.
+
+    `kv_connector` (the worker side, set by the `Worker` once the cache exists) is called
+    around each step: `start_load_kv` and `wait_for_layer_load` before the forward,
+    `save_kv_layer` and `wait_for_save` after it, then `get_finished`; a step that schedules
+    no token still runs the connector's part, so that loads start and leases expire."""
 
     def __init__(self, model_config: ModelConfig, block_size: int, platform: Platform,
                  device: torch.device,
-                 publish_inputs: Callable[[PreparedInputs], None] | None = None) -> None:
+                 publish_inputs: Callable[..., None] | None = None,
+                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None
+                 ) -> None:
         self.platform = platform
         self.device = device
         self.block_size = block_size
@@ -114,6 +125,10 @@ class ModelRunner:
         self.num_kv_groups = 1
         self.graphs: DecodeGraphs | None = None
         self.publish_inputs = publish_inputs
+        self.gather_kv_reports = gather_kv_reports
+        self.kv_connector: KVConnectorBase | None = None
+        self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
+        self._kv_reports: RankReports | None = None
         self._mask_filler: ThreadPoolExecutor | None = None  # started by the first grammar
         self.check_greedy_tokens = platform.computes_on_host  # (see `_start_masks`)
 
@@ -134,6 +149,8 @@ class ModelRunner:
                                       kv_buffer_ids(kv_cache_groups, layers), self.num_kv_heads,
                                       self.device)
         self.kv_caches = list(buffers.values())
+        self.kv_caches_by_layer = {layer_id: buffers[placement[layer_id][1]]
+                                   for layer_id in layers}
         for layer_id, layer in layers.items():
             group, buffer_id = placement[layer_id]
             if layer.sliding_window != kv_cache_groups[group].sliding_window:
@@ -202,24 +219,71 @@ class ModelRunner:
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
-            return None
+            if self.kv_connector is None:
+                return None
+            if self.publish_inputs is not None:
+                self.publish_inputs(None, so.kv_connector_metadata)
+            self._kv_before_forward(so.kv_connector_metadata)
+            return StartedStep([], [], None, None, 0.0, None,
+                               self._kv_after_forward(so.finished_req_ids, gather=True))
         states = [self.requests[r] for r in req_ids]
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                 self.block_size)
         if self.platform.static_shapes:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
-            self.publish_inputs(inputs)
+            self.publish_inputs(inputs, so.kv_connector_metadata)
         masks = self._start_masks(states, inputs)
+        if self.kv_connector is not None:
+            self._kv_before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
-        return StartedStep(req_ids, states, inputs, logits, start, masks)
+        kv_output = None
+        if self.kv_connector is not None:  # (one pipeline stage: the forward is done here)
+            kv_output = self._kv_after_forward(so.finished_req_ids, gather=True)
+        return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output)
+
+    # ------------------------------------------------------------------ KV connector
+
+    def _kv_before_forward(self, metadata) -> None:
+        connector = self.kv_connector
+        connector.bind_connector_metadata(metadata)
+        connector.start_load_kv()
+        for layer in self.kv_caches_by_layer:
+            connector.wait_for_layer_load(layer)
+
+    def _kv_after_forward(self, finished_req_ids: set[str],
+                          gather: bool) -> KVConnectorOutput:
+        """This rank's saves and report; on rank 0 (`gather`) every rank's, combined."""
+        connector = self.kv_connector
+        for layer, kv_layer in self.kv_caches_by_layer.items():
+            connector.save_kv_layer(layer, kv_layer)
+        connector.wait_for_save()
+        output = connector.step_output(finished_req_ids)
+        connector.clear_connector_metadata()
+        if not gather:
+            return output
+        others = self.gather_kv_reports() if self.gather_kv_reports is not None else []
+        if self._kv_reports is None:
+            self._kv_reports = RankReports(1 + len(others))
+        return self._kv_reports.combine([output, *others])
+
+    @_no_grad
+    def run_rank_step(self, inputs: PreparedInputs | None, metadata) -> KVConnectorOutput:
+        """A rank > 0's step with a KV connector: its part of the transfers around the same
+        forward as rank 0's (none when `inputs` is None); returns its report."""
+        self._kv_before_forward(metadata)
+        if inputs is not None:
+            self.run_model(inputs)
+        return self._kv_after_forward(set(), gather=False)
 
     @_no_grad
     def finish_step(self, step: StartedStep | None) -> ModelRunnerOutput:
         """The logits (received from the last stage if need be), sampling, prompt logprobs."""
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if not step.req_ids:  # the KV connector's part only
+            return ModelRunnerOutput([], [], kv_connector_output=step.kv_output)
         states, inputs, logits = step.states, step.inputs, step.logits
         if logits is None:
             logits = self.receive_logits(len(inputs.logits_indices))
@@ -235,7 +299,7 @@ class ModelRunner:
                 sampled[i] = token_id
                 state.append_output_token_id(token_id)
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
-                                 forward_seconds)
+                                 forward_seconds, step.kv_output)
 
     def receive_logits(self, num_rows: int) -> torch.Tensor:
         """Stage 0: the logits of a step, from the last stage."""

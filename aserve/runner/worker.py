@@ -17,7 +17,8 @@ from dataclasses import replace
 import torch
 
 from aserve.backends import Platform, set_platform
-from aserve.config import KVCacheGroupSpec, ModelConfig, ModelInfo
+from aserve.config import KVCacheGroupSpec, KVTransferConfig, ModelConfig, ModelInfo
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import (
     DistributedConfig,
@@ -25,12 +26,14 @@ from aserve.distributed import (
     get_moe_combine,
     get_pp_size,
     get_sp_size,
+    get_tp_rank,
+    get_tp_size,
     init_distributed,
     stage_layers,
 )
+from aserve.kv_transfer import KVConnectorRole, create_connector, kv_cache_key
 from aserve.models import effective_max_model_len
 from aserve.runner.graphs import default_capture_sizes
-from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.kv_cache import kv_buffer_ids, kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
 
@@ -42,7 +45,10 @@ class Worker:
                  device: str | Platform = "auto", local_rank: int = 0,
                  enforce_eager: bool = False, max_num_seqs: int = 256,
                  distributed: DistributedConfig | None = None,
-                 publish_inputs: Callable[[PreparedInputs], None] | None = None) -> None:
+                 publish_inputs: Callable[..., None] | None = None,
+                 kv_transfer_config: KVTransferConfig | None = None,
+                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None
+                 ) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
@@ -55,7 +61,12 @@ class Worker:
         self.model_config = model_config
         self.block_size = block_size
         self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
-                                  publish_inputs)
+                                  publish_inputs, gather_kv_reports)
+        self.kv_transfer_config = kv_transfer_config
+        arch = self.runner.arch
+        self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,
+                                         get_tp_size(), self.runner.num_kv_heads, arch.head_dim,
+                                         arch.layer_windows)
 
     def model_info(self) -> ModelInfo:
         arch = self.runner.arch
@@ -65,6 +76,7 @@ class Worker:
             eos_token_ids=tuple(arch.eos_token_ids),
             default_max_num_batched_tokens=self.platform.default_max_num_batched_tokens,
             layer_windows=arch.layer_windows,
+            kv_cache_key=self.kv_cache_key,
         )
 
     def needs_profiling(self, kv_cache_memory: int | None) -> bool:
@@ -113,6 +125,12 @@ class Worker:
         under the MoE all-to-all combine, whose split sizes the host reads every step, nor
         under sequence parallelism, whose rows the graphs do not split)."""
         self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
+        if self.kv_transfer_config is not None:
+            connector = create_connector(self.kv_transfer_config, KVConnectorRole.WORKER,
+                                         self.kv_cache_key, kv_cache_groups, self.block_size,
+                                         get_tp_rank(), get_tp_size())
+            connector.register_kv_caches(self.runner.kv_caches_by_layer)
+            self.runner.kv_connector = connector
         all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
                 and not all_to_all and get_sp_size() == 1):
@@ -121,3 +139,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Stop what outlives a step: the KV connector's threads and sockets."""
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()

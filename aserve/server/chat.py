@@ -157,7 +157,8 @@ class ChatView:
                            if self.body.prompt_logprobs is not None else None)
         usage = UsageInfo.of(len(generation.prompt.prompt_token_ids), sum(map(len, ids)))
         return ChatCompletionResponse(id=self.request_id, model=self.model, choices=choices,
-                                      usage=usage, prompt_logprobs=prompt_logprobs)
+                                      usage=usage, prompt_logprobs=prompt_logprobs,
+                                      kv_transfer_params=outputs[-1].kv_transfer_params)
 
     async def stream(self, generations: list[Generation]
                      ) -> AsyncIterator[ChatCompletionStreamResponse]:

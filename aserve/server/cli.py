@@ -10,8 +10,9 @@ frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGI
 stops the server gracefully (in-flight requests get `--shutdown-timeout` seconds, then are
 aborted) and the process exits 0; `launch.py` runs the app.
 
-Exit codes: 0 served or generated; 1 the engine or the socket failed; 2 bad arguments or a
-model that cannot be found.
+Exit codes: 0 served or generated; 1 the engine or the socket failed, or a bad
+`--kv-transfer-config` (unknown connector or role, malformed JSON, no storage path); 2 bad
+arguments or a model that cannot be found.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from aserve.engine.arg_utils import EngineArgs
+from aserve.engine.arg_utils import EngineArgs, KVTransferConfigError
 from aserve.sampling_params import SamplingParams
 from aserve.server.reasoning_parsers import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
@@ -45,6 +46,11 @@ API_KEY_ENV = "ASERVE_API_KEY"
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 ENGINE_HELP = {
+    "kv_transfer_config": "disaggregated prefill: a KV connector, as JSON with vLLM's keys, "
+                          "e.g. '{\"kv_connector\": \"P2pConnector\", \"kv_role\": "
+                          "\"kv_producer\", \"kv_port\": 14579}' or SharedStorageConnector "
+                          "with kv_connector_extra_config.shared_storage_path; kv_role "
+                          "kv_producer | kv_consumer | kv_both (default: none)",
     "model": "a HF model directory (config.json, *.safetensors, tokenizer.json) or a hub id "
              "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1 (default: the "
              "built-in demo model, served as aserve-demo)",
@@ -363,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt:
             return generate_offline(engine_args, ns)
         return serve(engine_args, ns)
+    except KVTransferConfigError as e:  # a startup error of the server, as vLLM's: exit 1
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (UsageError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -121,7 +121,8 @@ class CompletionView:
                                      if self.body.prompt_logprobs is not None else None)))
         num_prompt = sum(len(g.prompt.prompt_token_ids) for g in generations)
         return CompletionResponse(id=self.request_id, model=self.model, choices=choices,
-                                  usage=UsageInfo.of(num_prompt, num_generated))
+                                  usage=UsageInfo.of(num_prompt, num_generated),
+                                  kv_transfer_params=results[0][-1].kv_transfer_params)
 
     async def stream(self, generations: list[Generation]
                      ) -> AsyncIterator[CompletionStreamResponse]:

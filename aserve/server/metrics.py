@@ -1,7 +1,8 @@
 """Prometheus metrics under the names vLLM users' dashboards know, prefixed `aserve:`.
 
 Engine gauges and totals (running, waiting, KV-cache usage, prefix-cache queries and hits,
-preemptions) are read from the engine's latest published stats when scraped; request metrics
+preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved)
+are read from the engine's latest published stats when scraped; request metrics
 (tokens, finishes, TTFT, inter-token and end-to-end latency) are recorded by the routes through a
 `RequestTracker`. Each app has its own registry, so several apps can live in one process. The
 tracker also keeps the last `RECENT_LATENCIES` TTFT and inter-token samples, from which the
@@ -39,6 +40,8 @@ class _EngineStatsCollector(Collector):
              stats.num_waiting_reqs if stats else 0),
             ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
              stats.kv_cache_usage if stats else 0.0),
+            ("num_requests_waiting_for_remote_kvs", "Requests whose KV the connector loads.",
+             stats.num_waiting_for_remote_kvs if stats else 0),
         ):
             family = GaugeMetricFamily(f"aserve:{metric}", doc, labels=["model_name"])
             family.add_metric(name, value)
@@ -50,6 +53,16 @@ class _EngineStatsCollector(Collector):
              stats.prefix_cache_hits if stats else 0),
             ("num_preemptions", "Requests preempted (to be recomputed).",
              stats.num_preemptions if stats else 0),
+            ("external_prefix_cache_queries", "Prompt tokens asked of the KV connector.",
+             stats.external_prefix_cache_queries if stats else 0),
+            ("external_prefix_cache_hits", "Prompt tokens loaded from the KV connector.",
+             stats.external_prefix_cache_hits if stats else 0),
+            ("kv_load_failures", "Requests whose KV load failed (or was given up) and that "
+             "were computed here instead.", stats.num_kv_load_failures if stats else 0),
+            ("kv_transfer_bytes", "KV bytes the connector moved (loaded and saved or sent), "
+             "over all ranks.", stats.kv_transfer_bytes if stats else 0),
+            ("kv_transfer_seconds", "Seconds the connector spent moving KV, over all ranks.",
+             stats.kv_transfer_seconds if stats else 0.0),
         ):
             family = CounterMetricFamily(f"aserve:{metric}", doc, labels=["model_name"])
             family.add_metric(name, value)

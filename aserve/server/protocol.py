@@ -178,6 +178,9 @@ class _GenerationRequest(StructuredOutputFields):
     priority: Int64 = 0
     prompt_logprobs: LogprobCount | None = None
     cache_salt: None = None  # not supported yet: refused rather than silently ignored
+    # Disaggregated prefill (vLLM's): what the server's KV connector reads of this request,
+    # checked against it (no connector, or keys it does not know: a 400)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -210,6 +213,13 @@ class _GenerationRequest(StructuredOutputFields):
                              "prefix-cache entries between users.")
         return value
 
+    @model_validator(mode="after")
+    def _remote_decode_is_not_streamed(self) -> _GenerationRequest:
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise ValueError("kv_transfer_params.do_remote_decode needs stream=false: the "
+                             "kv_transfer_params a consumer needs come back in the response.")
+        return self
+
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
@@ -233,7 +243,8 @@ class _GenerationRequest(StructuredOutputFields):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(),
+            kv_transfer_params=self.kv_transfer_params)
 
 
 class CompletionRequest(_GenerationRequest):
@@ -278,6 +289,12 @@ class CompletionRequest(_GenerationRequest):
             raise ValueError(f"best_of must be unset or equal to n; best_of={value} with "
                              f"n={_or(info.data.get('n'), 1)} is not supported.")
         return value
+
+    @model_validator(mode="after")
+    def _kv_transfer_params_for_one_prompt(self) -> CompletionRequest:
+        if self.kv_transfer_params is not None and not _is_single_prompt(self.prompt):
+            raise ValueError("kv_transfer_params works with a single prompt only.")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of this request, one per entry: text or token ids."""

@@ -61,6 +61,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo
+    # A KV producer's answer (what a consumer needs to load this prompt's K/V); else None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -109,6 +111,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # as CompletionResponse's
 
 
 class DeltaMessage(BaseModel):

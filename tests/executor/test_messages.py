@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 
 from aserve.config import KVCacheGroupSpec
-from aserve.executor.messages import InitKVCache, ProfileRun, RunStep, Stop, handle
+from aserve.core.kv_connector import KVConnectorOutput
+from aserve.executor import messages as rank_messages
+from aserve.executor.messages import (
+    InitKVCache,
+    KVConnectorReport,
+    KVConnectorStep,
+    ProfileRun,
+    RunStep,
+    Stop,
+    handle,
+)
 from aserve.executor.spec import RankLayout, WorkerSpec
 from aserve.runner.input_batch import PreparedInputs
 
@@ -18,6 +28,11 @@ from aserve.runner.input_batch import PreparedInputs
 class FakeRunner:
     def __init__(self, calls: list) -> None:
         self.calls = calls
+        self.kv_connector = None
+
+    def run_rank_step(self, inputs, kv_metadata) -> KVConnectorOutput:
+        self.calls.append(("run_rank_step", inputs, kv_metadata))
+        return KVConnectorOutput(finished_recving={f"loaded-{kv_metadata}"})
 
     def run_model(self, inputs) -> None:
         self.calls.append(("run_model", inputs))
@@ -52,6 +67,21 @@ def test_each_message_reaches_its_handler_and_stop_ends_the_loop():
     assert served == [True, True, True, True, False]
     assert worker.calls == [("profile_run", 64, 4), ("initialize_kv_cache", 10, GROUPS),
                             ("run_model", step), ("run_model", step)]
+
+
+def test_with_a_kv_connector_each_step_is_answered_with_a_report(monkeypatch):
+    """RunStep carries the connector's metadata, KVConnectorStep is a step without a
+    forward; after either, the rank sends rank 0 its KVConnectorReport."""
+    sent = []
+    monkeypatch.setattr(rank_messages, "send_to_first_rank", sent.append)
+    worker, step = FakeWorker(), inputs()
+    worker.runner.kv_connector = object()
+    assert handle(worker, RunStep(step, "m1")) and handle(worker, KVConnectorStep("m2"))
+    assert worker.calls == [("run_rank_step", step, "m1"), ("run_rank_step", None, "m2")]
+    assert sent == [KVConnectorReport(KVConnectorOutput(finished_recving={"loaded-m1"})),
+                    KVConnectorReport(KVConnectorOutput(finished_recving={"loaded-m2"}))]
+    back = pickle.loads(pickle.dumps(sent[0], protocol=5))
+    assert back == sent[0]
 
 
 def test_anything_else_is_refused_by_type():

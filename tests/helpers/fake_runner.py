@@ -29,6 +29,10 @@ runner's token list then runs ahead of the scheduler's by the tokens in flight.
 
 `step_seconds(num_prefill_tokens, num_decode_tokens)`, when given, is the duration each step
 reports (the scheduler's step cost model learns from it); by default steps report none.
+
+`kv_worker(runner, scheduler_output)`, when given, plays a KV connector's worker side before
+each step's forward: it returns the step's `KVConnectorOutput` and writes what it loads with
+`load_kv` (so that the read checks see loaded K/V as a real load would leave it).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from aserve.config import CacheConfig
 from aserve.core.block_pool import split_cache_key
 from aserve.core.hashing import hash_block_tokens
 from aserve.core.kv_cache_utils import make_kv_cache_groups
+from aserve.core.kv_connector import KVConnectorOutput
 from aserve.core.outputs import (
     EngineCoreOutput,
     LogprobsLists,
@@ -84,10 +89,13 @@ class FakeRunner:
     """Drives `scheduler` one step at a time and records what each request streamed."""
 
     def __init__(self, scheduler: Scheduler, token_fn: TokenFn = fake_token,
-                 step_seconds: Callable[[int, int], float] | None = None) -> None:
+                 step_seconds: Callable[[int, int], float] | None = None,
+                 kv_worker: Callable[[FakeRunner, SchedulerOutput],
+                                     KVConnectorOutput | None] | None = None) -> None:
         self.scheduler = scheduler
         self.token_fn = token_fn
         self.step_seconds = step_seconds
+        self.kv_worker = kv_worker
         self.block_size = scheduler.block_size
         self.windows = [g.sliding_window for g in scheduler.kv_cache_manager.groups]
         self.states: dict[str, _RunnerState] = {}
@@ -170,7 +178,28 @@ class FakeRunner:
 
     # ------------------------------------------------------------------ the runner's side
 
+    def load_kv(self, req_id: str, start: int, end: int) -> None:
+        """Write the K/V of the request's tokens [start, end) into its blocks, in every group,
+        as a KV connector's load does (not for the null block)."""
+        request, size = self.scheduler.requests[req_id], self.block_size
+        tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+        parent = None
+        for index in range(end // size):
+            extra = (request.cache_salt,) if index == 0 and request.cache_salt is not None else None
+            tokens = request.all_token_ids[index * size:(index + 1) * size]
+            parent = hash_block_tokens(parent, tokens, extra)
+            for group_id, table in enumerate(tables):
+                if index * size >= start and table[index] != 0:
+                    self.block_content[table[index]] = (group_id, parent)
+        for group_id, table in enumerate(tables):
+            for position in range(start, end):
+                block_id = table[position // size]
+                if block_id != 0:
+                    self.slots[block_id * size + position % size] = (
+                        group_id, request.all_token_ids[position])
+
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        kv_output = self.kv_worker(self, output) if self.kv_worker is not None else None
         self._update_states(output)
         req_ids = list(output.num_scheduled_tokens)
         prompt_logprobs = {}
@@ -195,7 +224,7 @@ class FakeRunner:
             seconds = self.step_seconds(output.total_num_scheduled_tokens - num_decode,
                                         num_decode)
         return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
-                                 forward_seconds=seconds)
+                                 forward_seconds=seconds, kv_connector_output=kv_output)
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for req_id in output.finished_req_ids | output.preempted_req_ids:
