@@ -1,13 +1,23 @@
-"""A KV producer in a process of its own (`ProducerProcess`), for tests whose producer and
-consumer both run several ranks: one process holds only one default process group, so a
-tensor-parallel producer and consumer cannot share the test's process."""
+"""Disaggregated prefill in tests: a KV producer in a process of its own (`ProducerProcess`), for
+tests whose producer and consumer both run several ranks (one process holds only one default
+process group, so a tensor-parallel producer and consumer cannot share the test's process); and
+for the HTTP tests, `python -m aserve` instances with a connector (`start`, `configs`) and what
+their /metrics say (`metric`, `wait_for_no_blocks`)."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import queue
+import re
+import subprocess
+import sys
+import time
+
+import httpx
 
 from aserve import LLM, SamplingParams
+from helpers.server import free_port
 
 
 def _produce(model_dir: str, llm_kwargs: dict, prompts: list[list[int]],
@@ -53,3 +63,36 @@ class ProducerProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(10)
+
+
+# ---------------------------------------------------------------------------------- over HTTP
+
+def start(model_dir, port: int, config: dict, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "aserve", "--model", str(model_dir), "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "256", "--block-size", "4",
+         "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(config)],
+        stdout=subprocess.DEVNULL, stderr=log)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    match = re.search(rf"^aserve:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    assert match, f"no aserve:{name} in /metrics"
+    return float(match.group(1))
+
+
+def wait_for_no_blocks(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(url, "kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, f"{url} still holds KV blocks"
+        time.sleep(0.1)
+
+
+def configs(connector: str, tmp_path) -> tuple[dict, dict]:
+    if connector == "P2pConnector":
+        return ({"kv_connector": connector, "kv_role": "kv_producer", "kv_port": free_port()},
+                {"kv_connector": connector, "kv_role": "kv_consumer", "kv_port": free_port()})
+    extra = {"shared_storage_path": str(tmp_path / "store")}
+    return tuple({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
+                 for role in ("kv_producer", "kv_consumer"))

@@ -1,7 +1,7 @@
 """The disaggregated-prefill proxy (`aserve/disagg_proxy.py`) against fake instances: what each
 side is sent, round-robin, and every way an instance can fail (unreachable, an error of its
 own, a broken answer, dying mid-stream, silence). The proxy in front of real aserve instances is
-tested in tests/parallel/test_disagg_serving.py."""
+tested in tests/server/test_disagg_serving.py."""
 
 from __future__ import annotations
 

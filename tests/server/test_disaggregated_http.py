@@ -12,13 +12,12 @@ kv_transfer_params are a 400 that never reaches the engine.
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from helpers.disagg import configs, metric, start, wait_for_no_blocks
 from helpers.server import assert_error, free_port, serving, tiny_app, wait_healthy
 
 PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -27,37 +26,6 @@ PROMPT = ("Paged attention keeps the KV cache in fixed-size blocks, like pages o
           "and continuous batching lets finished requests leave")
 MESSAGES = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. "
              "Hello! How are you today?"}]
-
-
-def start(model_dir, port: int, config: dict, log) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "aserve", "--model", str(model_dir), "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "256", "--block-size", "4",
-         "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(config)],
-        stdout=subprocess.DEVNULL, stderr=log)
-
-
-def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    match = re.search(rf"^aserve:{name}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
-    assert match, f"no aserve:{name} in /metrics"
-    return float(match.group(1))
-
-
-def wait_for_no_blocks(url: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(url, "kv_cache_usage_perc") > 0:
-        assert time.monotonic() < deadline, f"{url} still holds KV blocks"
-        time.sleep(0.1)
-
-
-def configs(connector: str, tmp_path) -> tuple[dict, dict]:
-    if connector == "P2pConnector":
-        return ({"kv_connector": connector, "kv_role": "kv_producer", "kv_port": free_port()},
-                {"kv_connector": connector, "kv_role": "kv_consumer", "kv_port": free_port()})
-    extra = {"shared_storage_path": str(tmp_path / "store")}
-    return tuple({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra}
-                 for role in ("kv_producer", "kv_consumer"))
 
 
 def text_of(body: dict, route: str) -> str:
