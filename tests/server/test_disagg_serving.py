@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 from helpers.disagg import configs, metric, start, wait_for_no_blocks
-from helpers.server import free_port, wait_healthy
+from helpers.server import assert_error, free_port, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns]
 
@@ -123,6 +123,23 @@ def test_the_proxy_serves_what_one_instance_would(model_dir_factory, tmp_path, i
     for case in CASES:
         single = generate(direct, case[0], content(*case), case[1])
         assert texts[case] == single and single, case
+    for url in (producer, consumer):
+        wait_for_no_blocks(url)
+    # what a client may send: the params the producer answered (a decode request's own answer
+    # carries none); params the connector does not know, or on a batch of prompts, are a 400
+    first = httpx.post(f"{producer}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "A last one", "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    second = httpx.post(f"{consumer}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "A last one", "max_tokens": 2,
+        "kv_transfer_params": first["kv_transfer_params"]})
+    assert second.status_code == 200 and second.json()["kv_transfer_params"] is None
+    bad = httpx.post(f"{consumer}/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": "hi", "kv_transfer_params": {"remote_what": 1}})
+    assert_error(bad, 400, "kv_transfer_params", "does not know")
+    bad = httpx.post(f"{consumer}/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": ["a", "b"], "kv_transfer_params": {}})
+    assert_error(bad, 400, contains="single prompt")
     for url in (producer, consumer):
         wait_for_no_blocks(url)
 
