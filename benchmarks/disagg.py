@@ -13,10 +13,13 @@ already decoding), the long requests' TTFT p50, output tokens/s, and for the dis
 setup the transfer: bytes, seconds, seconds per KV block (from the instances' `/metrics`), and
 the share of the decode side's prompt tokens it loaded instead of computing.
 
-What this machine can show: both instances share its 2 cores, so the prefill instance's work
-still slows the decode instance's steps (through the cores, not through its step), and the
-transfer is a copy through the page cache or loopback. What it cannot show: the gain of
-giving each phase its own hardware.
+What this machine can show: with --split-cores (the default) the prefill instance runs on one
+core and the decode instance on the other (`taskset`, one OpenMP thread each), against one
+instance on both: the same silicon, split by phase, so a long prefill no longer sits in the
+decodes' steps, while each phase has half the compute. Without it both instances' OpenMP
+threads contend for both cores (each spins at its barriers while the other runs), which says
+nothing about disaggregation. The transfer is a copy through the page cache or loopback, not a
+network. What it cannot show: separate machines, or a decode instance sized for its phase.
 """
 
 from __future__ import annotations
@@ -75,6 +78,15 @@ def kv_configs(args: argparse.Namespace, store: Path) -> tuple[dict, dict]:
                   "kv_connector_extra_config": extra} for role in ("kv_producer", "kv_consumer"))
 
 
+def split_cores() -> tuple[list[int], list[int]]:
+    """This process' cores in two halves: the prefill instance's and the decode instance's."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--split-cores needs at least 2 cores")
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
 def start_setup(args: argparse.Namespace, setup: str, r: int, workdir: Path) -> tuple[
         str, list[Server], list[str]]:
     """(the URL clients use, the processes, the aserve instances' URLs)."""
@@ -86,10 +98,14 @@ def start_setup(args: argparse.Namespace, setup: str, r: int, workdir: Path) -> 
         return server.url, [server], [server.url]
     produce, consume = kv_configs(args, workdir / f"store_r{r}")
     servers = []
-    for role, config in (("prefill", produce), ("decode", consume)):
+    cores = split_cores() if args.split_cores else None
+    for i, (role, config) in enumerate((("prefill", produce), ("decode", consume))):
         port = free_port()
-        servers.append(Server(aserve_command(args, port, config), dict(os.environ),
-                              workdir / f"{role}_r{r}.log", port))
+        cmd, env = aserve_command(args, port, config), dict(os.environ)
+        if cores is not None:  # each phase on its own cores, one OpenMP thread per core
+            cmd = ["taskset", "-c", ",".join(map(str, cores[i])), *cmd]
+            env["OMP_NUM_THREADS"] = str(len(cores[i]))
+        servers.append(Server(cmd, env, workdir / f"{role}_r{r}.log", port))
     for server in servers:
         server.wait_ready(args.ready_timeout)
     port = free_port()
@@ -223,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--aserve-args", default="", help="more flags for every aserve instance")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--split-cores", action=argparse.BooleanOptionalAction, default=True,
+                   help="disagg: the prefill and the decode instance each on half the cores "
+                        "(taskset, OMP_NUM_THREADS), as on their own hardware; the single "
+                        "instance has them all. --no-split-cores: both on every core, their "
+                        "OpenMP threads contending")
     p.add_argument("--short-requests", type=int, default=32)
     p.add_argument("--short-concurrency", type=int, default=8)
     p.add_argument("--short-input", type=int, default=64)
