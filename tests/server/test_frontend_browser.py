@@ -233,8 +233,11 @@ def test_stop_aborts_a_long_reply_in_the_engine(server, driver):
 
 def test_the_dashboard_counts_generated_tokens_live(server, driver):
     open_fresh(driver, f"{server}/dashboard")
-    for metric in ("requests_running", "requests_waiting", "kv_cache_usage",
-                   "generation_tokens_total", "step_composition"):
+    metrics = ("requests_running", "requests_waiting", "kv_cache_usage",
+               "generation_tokens_total", "step_composition")
+    # dashboard.js builds the figures from its first poll: wait for them, then check each
+    wait(driver, lambda d: css(d, '[data-metric="requests_running"]'))
+    for metric in metrics:
         assert css(driver, f'[data-metric="{metric}"]'), metric
 
     def generated(d) -> int | None:
