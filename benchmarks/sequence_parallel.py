@@ -178,7 +178,8 @@ def comm(keys: dict, lens: list[int], repeats: int, workdir: Path) -> dict:
 
 
 def run_shape(args: argparse.Namespace, shape: str) -> dict:
-    model_dir = make_model(shape, args.workdir / f"llama-{shape}", max(args.prompt_lens) + 64)
+    max_len = max(args.prompt_lens) + 64  # (in the name: a cached model must be long enough)
+    model_dir = make_model(shape, args.workdir / f"llama-{shape}-{max_len}", max_len)
     vocab = min(SHAPES[shape]["vocab_size"], 4096)
     report = {"shape": SHAPES[shape], "ttft_s": {}, "kv": {}}
     for layout in args.layouts:

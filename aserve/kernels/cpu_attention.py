@@ -6,7 +6,8 @@ copy of any sequence.
                             then attend for every row of the batch, two C++ calls per layer
     attend_rows (C++)       tiles of up to ROW_TILE query rows of one request (a decode row is a
                             tile of one; a prefill chunk, with or without cached context, is cut
-                            into tiles); chunks over LONG_CHUNK rows go to SDPA instead
+                            into tiles); on AMX machines chunks over LONG_CHUNK rows go to
+                            SDPA instead
     store_kv (C++)          this step's K/V rows into their slots
 
 One task per (tile, kv head) serves the tile's rows x G = Hq / Hkv query heads at once, so each
@@ -37,17 +38,23 @@ from aserve.kernels.paged_attention import attend_chunks, checked_sinks
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
 ROW_TILE = 8  # query rows of one request that share a task (and each K/V row read)
-# Chunks longer than this go to SDPA over the chunk (a GEMM-based kernel wins on long prompts);
-# shorter ones, decode rows and chunks with cached context run in the row-tile kernel.
+# Where torch's SDPA runs on AMX tiles (oneDNN), chunks longer than LONG_CHUNK go to it: a
+# GEMM-based kernel won on long prompts there. Without AMX the row-tile kernel is the faster one
+# at every length, so it takes every chunk (AVX-512-BF16 EPYC, one layer of 9 / 3 heads of 64:
+# 2,048 fresh rows 22 vs 48 ms; 2,048 rows over 8,192 keys 219 vs 381 ms; BENCHMARKS.md, "Long-
+# context prefill").
 LONG_CHUNK = 1024
+SDPA_FOR_LONG_CHUNKS = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def plan_tiles(starts: np.ndarray, seq_lens: np.ndarray, row_tile: int = ROW_TILE,
-               long_chunk: int = LONG_CHUNK) -> tuple[torch.Tensor, list[int]]:
+               long_chunk: int | None = None) -> tuple[torch.Tensor, list[int]]:
     """Row tiles of one step for `attend_rows`: [N, 4] int64 (request, first row, rows, keys of
     the first row), the costliest first (rows x keys: threads claim them in this order, so the
     big ones do not come last), and the requests whose chunk is left to SDPA (longer than
-    `long_chunk`)."""
+    `long_chunk`; None: LONG_CHUNK where `SDPA_FOR_LONG_CHUNKS`, else no chunk is)."""
+    if long_chunk is None:
+        long_chunk = LONG_CHUNK if SDPA_FOR_LONG_CHUNKS else np.iinfo(np.int64).max
     q_lens = np.diff(starts).astype(np.int64)
     long_reqs = np.flatnonzero(q_lens > long_chunk)
     tiled = np.where(q_lens > long_chunk, 0, q_lens)

@@ -168,15 +168,18 @@ def test_cpu_ops_match_hf_gpt_oss_attention_and_ignore_out_of_window_blocks(
     assert torch.equal(run_cpu_op(op, hybrid, REQS, scale, window, None, sinks), got)
 
 
-# chunks over cpu_attention.LONG_CHUNK rows (SDPA's path), with and without cached context
+# chunks over cpu_attention.LONG_CHUNK rows (SDPA's path where SDPA_FOR_LONG_CHUNKS), with and
+# without cached context
 LONG = [(1100, 1100), (1030, 1060), (1, 1200), (5, 90)]
 
 
 @pytest.mark.usefixtures("cpu_attention_kernel")
 @pytest.mark.parametrize("window", [7, None])
-def test_cpu_forward_long_chunks_match_hf_gpt_oss_attention(window):
+def test_cpu_forward_long_chunks_match_hf_gpt_oss_attention(window, monkeypatch):
+    from aserve.kernels import cpu_attention
     from aserve.kernels.cpu_attention import LONG_CHUNK
 
+    monkeypatch.setattr(cpu_attention, "SDPA_FOR_LONG_CHUNKS", True)  # (as on AMX machines)
     assert max(q for q, _ in LONG) > LONG_CHUNK
     batch = make_batch(LONG, 64, 4, 1, 16, torch.bfloat16)
     sinks = make_sinks("mixed", 4)
