@@ -2,6 +2,7 @@
 decode batch (and optionally a mixed prefill + decode step), one JSON line.
 
     python benchmarks/attention.py [--batch 64] [--context 192] [--mixed]
+    python benchmarks/attention.py --chunks 2048:2048,8192:2048    # prefill chunks, L:C
 
 Two measures, as a decode step meets them:
 - "cold": one call per layer over 30 layers' separate caches, so K/V come from memory (the
@@ -10,11 +11,17 @@ Two measures, as a decode step meets them:
 The K/V bytes read per layer and the rate they were read at are given beside each. Block
 tables mimic the engine's: each request's first blocks contiguous (its prefill), later ones
 interleaved with the other requests' (one per decode step each).
+
+--chunks: one request's prefill chunk of C rows ending at key L (context L - C), one layer, its
+K/V in cache: the row-tile kernel for every row against the SDPA path (`attend_chunks`: the
+context gathered, a boolean causal mask), ms and attention GFLOP/s each (best of 3), and the
+largest difference between their outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -43,6 +50,40 @@ def block_table(context: list[int], block_size: int, prefill_blocks: int) -> tor
     return torch.from_numpy(table)
 
 
+def prefill_chunks(args: argparse.Namespace, module) -> dict:
+    """Row tiles against SDPA for each --chunks entry (see the module docstring)."""
+    from aserve.kernels.cpu_attention import plan_tiles
+    from aserve.kernels.paged_attention import attend_chunks
+
+    hq, hkv, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    result = {"benchmark": "attention_chunks", "threads": torch.get_num_threads(),
+              "heads": hq, "kv_heads": hkv, "head_dim": d, "chunks": {}}
+    for spec in args.chunks.split(","):
+        seq_len, rows = map(int, spec.split(":"))
+        num_blocks = -(-seq_len // bs)
+        k, v = torch.randn(2, num_blocks, bs, hkv, d).bfloat16()
+        table = torch.arange(num_blocks, dtype=torch.int32)[None]
+        q = torch.randn(rows, hq, d).bfloat16()
+        starts, lens = np.array([0, rows]), np.array([seq_len])
+        tiles, _ = plan_tiles(starts, lens, long_chunk=1 << 40)
+        out_tiles, out_sdpa = torch.empty_like(q), torch.empty_like(q)
+
+        run_tiles = functools.partial(module.attend_rows, q, k, v, table, tiles, out_tiles,
+                                      d**-0.5, 0, 0.0, None)
+        run_sdpa = functools.partial(attend_chunks, q, k, v, [0, rows], [seq_len], table,
+                                     d**-0.5, None, None, out_sdpa, None, None)
+
+        flops = 4 * hq * d * (rows * (seq_len - rows) + rows * rows / 2)
+        entry = {}
+        for name, fn in (("tiles", run_tiles), ("sdpa", run_sdpa)):
+            ms = best_time(fn, 3) * 1e3
+            entry[name] = {"ms": round(ms, 2), "gflop_s": round(flops / ms / 1e6, 1)}
+        entry["tiles_speedup"] = round(entry["sdpa"]["ms"] / entry["tiles"]["ms"], 2)
+        entry["max_abs_diff"] = float((out_tiles.float() - out_sdpa.float()).abs().max())
+        result["chunks"][spec] = entry
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +96,8 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunks", default=None, metavar="L:C,...",
+                    help="prefill chunks instead: C rows ending at key L")
     args = ap.parse_args()
 
     from aserve.kernels import cpu_extension
@@ -65,6 +108,9 @@ def main() -> int:
                                                                dtype=torch.bfloat16)):
         print(json.dumps({"benchmark": "attention", "error": "no AVX-512 kernel build here"}))
         return 1
+    if args.chunks:
+        print(json.dumps(prefill_chunks(args, module)))
+        return 0
     block_size, hq, hkv, d = args.block_size, args.heads, args.kv_heads, args.head_dim
     q_lens = [1] * args.batch + ([128] * 4 if args.mixed else [])
     context = [args.context] * args.batch + ([128] * 4 if args.mixed else [])

@@ -52,8 +52,7 @@ sys.path.insert(0, str(HERE))
 
 import serve  # noqa: E402
 from common import free_port, percentile  # noqa: E402
-from compare import (LLAMACPP_CTX_PER_SLOT, Server, begin, log, peer_env, rotated,  # noqa: E402
-                     server_command)
+from compare import LLAMACPP_CTX_PER_SLOT, Server, begin, log, peer_env, rotated, server_command  # noqa: E402
 from revisions import launch, tree_env  # noqa: E402
 
 WORKLOADS = {
