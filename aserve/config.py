@@ -20,6 +20,9 @@ class SchedulerConfig:
     # Prefill beside decodes costs at most this many times a step's fixed cost, by the
     # measured step cost (Scheduler): decodes keep flowing, prefill keeps its speed. 0: no cap.
     max_prefill_step_ratio: float = 4.0
+    # With more than this many streams decoding, that cap shrinks by this / their number: every
+    # stream waits out a step's prefill, so more streams get smaller chunks. 0: off.
+    prefill_cap_decodes: int = 0
     policy: str = "fcfs"  # "fcfs" | "priority"
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
     # with a placeholder for the token it has not received yet (see Scheduler).
@@ -39,6 +42,9 @@ class SchedulerConfig:
         if self.max_prefill_step_ratio < 0:
             raise ValueError("max_prefill_step_ratio must be >= 0 (0: off), got "
                              f"{self.max_prefill_step_ratio}.")
+        if self.prefill_cap_decodes < 0:
+            raise ValueError("prefill_cap_decodes must be >= 0 (0: off), got "
+                             f"{self.prefill_cap_decodes}.")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
     max_prefill_step_ratio: float = 4.0
+    prefill_cap_decodes: int = 0
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = True
     block_size: int = 16
@@ -153,6 +154,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_prefill_step_ratio=self.max_prefill_step_ratio,
+            prefill_cap_decodes=self.prefill_cap_decodes,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             max_batches_in_flight=self.max_batches_in_flight,

@@ -63,6 +63,8 @@ ENGINE_HELP = {
     "long_prefill_token_threshold": "cap one request's prefill chunk per step (0: no cap)",
     "max_prefill_step_ratio": "in a step that carries decodes, cap prefill tokens at what "
                               "costs this many times a step's fixed cost, measured (0: no cap)",
+    "prefill_cap_decodes": "with more than N streams decoding in a step, scale that cap by "
+                           "N / streams (lower ITL tails, slower admission; 0: off)",
     "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",

@@ -33,10 +33,11 @@ class FixedCap:
 
 
 def make_scheduler(*, ratio: float = 2.0, budget: int = 64, async_scheduling: bool = False,
-                   cost=None) -> Scheduler:
+                   cost=None, cap_decodes: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=128,
-                        max_prefill_step_ratio=ratio, async_scheduling=async_scheduling),
+                        max_prefill_step_ratio=ratio, async_scheduling=async_scheduling,
+                        prefill_cap_decodes=cap_decodes),
         CacheConfig(block_size=BS, num_blocks=129))
     if cost is not None:
         scheduler.step_cost = cost
@@ -74,6 +75,36 @@ def test_prefill_beside_decodes_is_capped_and_the_decodes_all_run() -> None:
     runner.run_until_done()
     for req_id, n in (("a", 8), ("b", 8), ("c", 30), ("d", 30)):
         assert runner.streamed[req_id] == [100 + n + i for i in range(8 if n == 8 else 4)]
+
+
+def test_more_streams_than_prefill_cap_decodes_scale_the_ratio_down() -> None:
+    cost = FixedCap(10)
+    scheduler = make_scheduler(cost=cost, cap_decodes=2)
+    runner = run(scheduler, *(make_request(f"r{i}", prompt(10 * i + 1, 4), max_tokens=20)
+                              for i in range(2)))
+    schedule_of(runner)  # both prompts: no decodes yet
+    scheduler.add_request(make_request("late", prompt(50, 30), max_tokens=20))
+    schedule_of(runner)  # 2 streams decoding: not more than 2, the ratio as given
+    assert cost.asked[-1] == 2.0
+    for i in range(2, 4):
+        scheduler.add_request(make_request(f"r{i}", prompt(100 + 10 * i, 4), max_tokens=20))
+    def decoding() -> int:
+        return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+
+    while decoding() < 4:
+        schedule_of(runner)
+    streams = decoding()
+    schedule_of(runner)
+    assert cost.asked[-1] == 2.0 * 2 / streams
+    runner.run_until_done()
+    assert runner.streamed["late"] == [100 + 30 + i for i in range(20)]
+
+
+def test_prefill_cap_decodes_must_not_be_negative() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="prefill_cap_decodes"):
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, prefill_cap_decodes=-1)
 
 
 def test_the_cap_is_never_under_one_block() -> None:
