@@ -191,14 +191,20 @@ def server_command(args: argparse.Namespace, engine: str, port: int) -> list[str
                 *shlex.split(args.aserve_args)]
     if engine == "llamacpp":
         slots = max(args.concurrency)
-        ctx = slots * max(LLAMACPP_CTX_PER_SLOT, args.input_len + args.output_len + 16)
-        return [str(args.llamacpp_venv / "bin" / "llama-server"), "-m", str(args.gguf),
-                "--alias", Path(args.model).name, "--parallel", str(slots), "--cont-batching",
-                "-c", str(ctx), "-t", str(os.cpu_count()), "--host", "127.0.0.1",
-                "--port", str(port), "--no-webui", *shlex.split(args.llamacpp_args)]
+        return llamacpp_command(args, port, slots, slots * max(
+            LLAMACPP_CTX_PER_SLOT, args.input_len + args.output_len + 16))
     eager = ["--enforce-eager"] if args.vllm_enforce_eager else []
     return [args.peer_python, str(args.peers_dir / "vllm_cli.py"), "serve", args.model, *common,
             *eager, *shlex.split(args.vllm_args)]
+
+
+def llamacpp_command(args: argparse.Namespace, port: int, slots: int, ctx: int) -> list[str]:
+    """llama.cpp's `llama-server` on --gguf with `slots` parallel slots sharing `ctx` tokens of
+    context, continuous batching, every core (args: llamacpp_venv, gguf, model, llamacpp_args)."""
+    return [str(args.llamacpp_venv / "bin" / "llama-server"), "-m", str(args.gguf),
+            "--alias", Path(args.model).name, "--parallel", str(slots), "--cont-batching",
+            "-c", str(ctx), "-t", str(os.cpu_count()), "--host", "127.0.0.1",
+            "--port", str(port), "--no-webui", *shlex.split(args.llamacpp_args)]
 
 
 def serve_round(args: argparse.Namespace, engine: str, r: int, servers: list[Server]) -> dict:

@@ -52,7 +52,16 @@ sys.path.insert(0, str(HERE))
 
 import serve  # noqa: E402
 from common import free_port, percentile  # noqa: E402
-from compare import LLAMACPP_CTX_PER_SLOT, Server, begin, log, peer_env, rotated, server_command  # noqa: E402
+from compare import (  # noqa: E402
+    LLAMACPP_CTX_PER_SLOT,
+    Server,
+    begin,
+    llamacpp_command,
+    log,
+    peer_env,
+    rotated,
+    server_command,
+)
 from revisions import launch, tree_env  # noqa: E402
 
 WORKLOADS = {
@@ -231,23 +240,15 @@ def serve_client(args: argparse.Namespace, url: str, w: dict) -> tuple:
 
 # ---------------------------------------------------------------------------------- runs
 
-def llamacpp_command(args: argparse.Namespace, port: int) -> list[str]:
-    slots = max(args.specs[w]["concurrency"] for w in args.workloads)
-    return [str(args.llamacpp_venv / "bin" / "llama-server"), "-m", str(args.gguf),
-            "--alias", Path(args.model).name, "--parallel", str(slots), "--cont-batching",
-            "-c", str(slots * LLAMACPP_CTX_PER_SLOT), "-t", str(os.cpu_count()),
-            "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-            *args.llamacpp_args.split()]
-
-
 def start_server(args: argparse.Namespace, engine: str, name: str) -> Server:
     port = free_port()
     if engine == "vllm":
         return Server(server_command(args, "vllm", port), peer_env(),
                       args.workdir / f"{name}.log", port)
     if engine == "llamacpp":
-        return Server(llamacpp_command(args, port), dict(os.environ),
-                      args.workdir / f"{name}.log", port)
+        slots = max(args.specs[w]["concurrency"] for w in args.workloads)
+        return Server(llamacpp_command(args, port, slots, slots * LLAMACPP_CTX_PER_SLOT),
+                      dict(os.environ), args.workdir / f"{name}.log", port)
     tree = args.trees[engine]
     cmd = launch(tree, "module", "aserve", "--model", args.model, "--host", "127.0.0.1",
                  "--port", str(port), "--dtype", args.dtype, *args.aserve_args.split(),

@@ -6,8 +6,8 @@ Prints one JSON line.
 
 - bandwidth: the best of several passes of a streaming read (a sum) over a buffer far larger
   than the caches, with torch's threads (all cores), in GB/s; a bf16 copy too (read + write);
-  and oneDNN's bf16 GEMV over the same bytes as a [rows, 4096] weight, which streams faster
-  than the sum on this machine: the roofline takes the faster of the two reads (`gb_s`);
+  and oneDNN's bf16 GEMV over the same bytes as a [rows, 4096] weight, which at times streams
+  faster than the sum on this machine: the roofline takes the faster of the two reads (`gb_s`);
 - weight bytes per token: every linear layer of every decoder layer, the norms, and the LM head
   (for a tied model the embedding matrix, read once as the head); the embedding lookup reads
   one row;
@@ -62,7 +62,7 @@ def read_bandwidth(gib: float, repeats: int) -> dict:
               "copy_gb_s": round(2 * nbytes / best_copy / 1e9, 2), "buffer_gib": gib,
               "threads": torch.get_num_threads()}
     del y
-    try:  # oneDNN's bf16 GEMV over the same bytes: it streams faster than torch's sum here
+    try:  # oneDNN's bf16 GEMV over the same bytes: at times faster than torch's sum here
         w = torch.ops.mkldnn._reorder_linear_weight(x.view(torch.bfloat16).view(-1, 4096), 64)
         v = torch.ones(1, 4096, dtype=torch.bfloat16)
         del x

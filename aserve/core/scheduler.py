@@ -174,14 +174,15 @@ class Scheduler(RemoteKVScheduling):
         `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
         N / streams. A runner that reports no step times gets no cap."""
         budget, ratio = self.config.max_num_batched_tokens, self.config.max_prefill_step_ratio
-        if ratio <= 0 or not self.step_cost.is_timed:
-            return budget
-        num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        if not num_decoding:
+        if ratio <= 0 or not self.step_cost.is_timed or not any(
+                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
             return budget
         streams = self.config.prefill_cap_decodes
-        if streams and num_decoding > streams:
-            ratio *= streams / num_decoding
+        if streams:
+            num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens
+                               for r in self.running)
+            if num_decoding > streams:
+                ratio *= streams / num_decoding
         cap = self.step_cost.max_prefill_tokens(ratio)
         return budget // 2 if cap is None else max(cap, self.block_size)
 
