@@ -17,8 +17,9 @@ K/V row is read once per task; row j of a tile attends the first len0 + j keys o
     keys t = 0..9 at  k_cache[7][0..3], k_cache[2][0..3], k_cache[5][0..1]   (head h of each)
     a chunk of 3 rows ending at key 9: rows attend keys 0..7, 0..8, 0..9
 
-The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
-weighted sum of values with its sums in registers) is the register tiles of
+The per-task work (keys transposed into lanes so that each query's scores for 16 keys are one
+dpbf16 chain, a float32 softmax over each query's own keys into bf16 probabilities, the weighted
+sum of values on pairs of keys, its sums in registers) is the register tiles of
 `csrc/attention_tiles.h`. Threads claim tasks one at a time, costliest first (`plan_tiles`
 orders them). 64 x 192-key decode rows, one smol layer with the cache in DRAM: 0.64 -> 0.46 ms
 (`benchmarks/attention.py`).

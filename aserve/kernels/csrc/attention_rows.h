@@ -17,10 +17,12 @@
 // then masks its own): no block before it is read, as a hybrid cache may have freed it. With
 // attention sinks (sinks.h) each query head's sink joins its rows' softmax.
 //
-// The per-task work (scores 16 keys at a time, a float32 softmax over each query's own keys, the
-// weighted sum of values with its sums in registers) is the register tiles of attention_tiles.h.
-// Blocks are scattered in memory, so the score pass fetches the K and V rows 32 keys ahead into
-// L2, each task the first rows of the next, and threads claim tasks one at a time, costliest
+// The per-task work (with AVX512-BF16: keys transposed into lanes 128 at a time, every query's
+// scores against them, a float32 softmax over each query's own keys into bf16 probabilities, the
+// weighted sum of values on pairs of keys, its sums in registers) is the register tiles of
+// attention_tiles.h. Blocks are scattered in memory, so the score pass fetches the K and V rows
+// kAhead keys ahead into L2, each task the first rows of the next, and threads claim tasks one
+// at a time, costliest
 // first (cpu_attention.plan_tiles orders them). 64 x 192-key decode rows, one smol layer with the
 // cache in DRAM: 0.64 -> 0.46 ms (benchmarks/attention.py).
 #pragma once
@@ -59,16 +61,25 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
   // time, in the order given (plan_tiles puts the costly ones first).
   const int64_t num_tasks = num_tiles * hkv;
   std::atomic<int64_t> claimed{0};
+  // A task's first key: its first row's window start, made even where blocks hold an even count
+  // of keys (the key before stays in the same block), so key pairs count from an even key.
+  const auto first_key = [&](int64_t len0) -> int64_t {
+    if (window <= 0) return 0;
+    const int64_t first = std::max<int64_t>(0, len0 - window);
+    return bs % 2 == 0 ? first & ~int64_t{1} : first;
+  };
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qf, scores, inv;
     std::vector<int64_t> offs, lo, hi;
-    std::vector<__m512i> qw;
+    std::vector<__m512i> kt;  // a block of keys, packed
+    std::vector<int32_t> qp;
+    std::vector<uint16_t> probs;
     std::vector<at::BFloat16*> outs;
     // The K and V rows of a task's first kAhead keys, fetched while the task before it runs.
     const auto fetch_first = [&](int64_t task) {
       const int64_t* tile = tiles + 4 * (task / hkv);
       const int64_t h = task % hkv, len0 = tile[3];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t first = first_key(len0);
       const int64_t last = std::min(first + kAhead, len0 + tile[2] - 1);
       const int32_t* blocks = table + tile[0] * table_stride;
       for (int64_t t = first; t < last; ++t) {
@@ -86,7 +97,7 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       const int64_t h = task % hkv;
       const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
       const int64_t nq = rows * group;  // query j * group + g: row row0 + j, head h * group + g
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t first = first_key(len0);
       const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
       const int32_t* blocks = table + r * table_stride;
       offs.resize(n);
@@ -105,20 +116,52 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         }
       }
       scores.resize(nq * n);
+      inv.resize(nq);
 #ifdef __AVX512BF16__
-      // bf16 pairs straight into dpbf16 (exact products, float32 sums); scaled afterwards
-      qw.resize(nq * words);
-      for (int64_t j = 0; j < nq; ++j) {
-        const at::BFloat16* qj =
-            q + (row0 + j / group) * q_stride + (h * group + j % group) * d;
-        for (int64_t w = 0; w < words; ++w)
-          qw[j * words + w] = _mm512_maskz_loadu_epi16(masks[w], qj + 32 * w);
+      // queries' bf16 pairs packed per score block: qp[j0 * pairs + i * nqc + j]
+      const int64_t pairs = d / 2;
+      qp.resize(nq * pairs);
+      for (int64_t j0 = 0; j0 < nq; j0 += kScoreQueries) {
+        const int64_t nqc = std::min<int64_t>(kScoreQueries, nq - j0);
+        for (int64_t j = 0; j < nqc; ++j) {
+          const int64_t jj = j0 + j;
+          const at::BFloat16* qj =
+              q + (row0 + jj / group) * q_stride + (h * group + jj % group) * d;
+          for (int64_t i = 0; i < pairs; ++i)
+            std::memcpy(&qp[j0 * pairs + i * nqc + j], qj + 2 * i, sizeof(int32_t));
+        }
       }
-      const int64_t qc = pass_queries(words);
-      for (int64_t j0 = 0; j0 < nq; j0 += qc)
-        kScores[words][std::min(qc, nq - j0)](kc, vc, offs.data(), n, &qw[j0 * words], masks,
-                                              &hi[j0], scale, soft_cap, &scores[j0 * n], n, d,
-                                              j0 == 0);
+      kt.resize(16 * words * kKeyBlocks);
+      for (int64_t t0 = 0; t0 < n; t0 += 16 * kKeyBlocks) {
+        const int64_t cnt = std::min<int64_t>(16 * kKeyBlocks, n - t0);
+        const int64_t nb = (cnt + 15) / 16;
+        pack_keys(kc, vc, &offs[t0], cnt, n - kAhead - t0, words, masks, d, kt.data());
+        for (int64_t j0 = 0; j0 < nq; j0 += kScoreQueries) {
+          const int64_t nqc = std::min<int64_t>(kScoreQueries, nq - j0);
+          const int64_t bq = score_blocks(nqc), last = hi[j0 + nqc - 1];  // hi grows with j
+          for (int64_t b = 0; b < nb && t0 + 16 * b < last; b += bq)
+            kScoreBlock[nqc][std::min(bq, nb - b)](
+                &kt[16 * words * b], pairs, words, &qp[j0 * pairs], scale, soft_cap,
+                &scores[j0 * n + t0 + 16 * b], n, cnt - 16 * b, &hi[j0], t0 + 16 * b);
+        }
+      }
+      // bf16 probabilities over an even count of keys: offs[n] is key n - 1 again (weight 0)
+      const int64_t p_stride = n + (n & 1);
+      offs.push_back(offs[n - 1]);
+      probs.resize(nq * p_stride);
+      softmax_rows_bf16(scores.data(), n, nq, lo.data(), hi.data(),
+                        sinks ? sinks + h * group : nullptr, group, inv.data(), probs.data(),
+                        p_stride);
+      for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
+        const int64_t nt = std::min(kQueryTile, nq - j0), wp = pass_words(nt);
+        // keys outside every query's range carry probability 0 for all: skip them
+        const int64_t nk = *std::max_element(hi.begin() + j0, hi.begin() + j0 + nt);
+        const int64_t t_lo = *std::min_element(lo.begin() + j0, lo.begin() + j0 + nt) & ~int64_t{1};
+        for (int64_t w0 = 0; w0 < words; w0 += wp)
+          kWeightedPairs[nt][std::min(wp, words - w0)](vc, offs.data(), t_lo, nk,
+                                                       &probs[j0 * p_stride], p_stride, w0,
+                                                       masks, &inv[j0], &outs[j0]);
+      }
 #else
       qf.resize(nq * d);  // float32 queries, pre-scaled
       for (int64_t j = 0; j < nq; ++j) {
@@ -129,8 +172,6 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       }
       qk_scores_f32(kc, vc, offs.data(), n, qf.data(), nq, d, hi.data(), soft_cap, scores.data(),
                     n);
-#endif
-      inv.resize(nq);
       softmax_rows(scores.data(), n, nq, lo.data(), hi.data(),
                    sinks ? sinks + h * group : nullptr, group, inv.data());
       for (int64_t j0 = 0; j0 < nq; j0 += kQueryTile) {
@@ -141,6 +182,7 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
           kWeighted[nt][std::min(wp, words - w0)](vc, offs.data(), nk, &scores[j0 * n], n, w0,
                                                   masks, &inv[j0], &outs[j0]);
       }
+#endif
     }
   });
 }
