@@ -23,6 +23,10 @@ class SchedulerConfig:
     # With more than this many streams decoding, that cap shrinks by this / their number: every
     # stream waits out a step's prefill, so more streams get smaller chunks. 0: off.
     prefill_cap_decodes: int = 0
+    # With many streams decoding, a step that carries prefill costs at most this many times
+    # their decodes alone, unless the prompts waiting need more to be admitted in time
+    # (Scheduler._max_prefill_tokens). 0: off.
+    max_mixed_step_ratio: float = 2.0
     policy: str = "fcfs"  # "fcfs" | "priority"
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
     # with a placeholder for the token it has not received yet (see Scheduler).
@@ -42,6 +46,9 @@ class SchedulerConfig:
         if self.max_prefill_step_ratio < 0:
             raise ValueError("max_prefill_step_ratio must be >= 0 (0: off), got "
                              f"{self.max_prefill_step_ratio}.")
+        if self.max_mixed_step_ratio != 0 and self.max_mixed_step_ratio <= 1:
+            raise ValueError("max_mixed_step_ratio must be above 1 (0: off), got "
+                             f"{self.max_mixed_step_ratio}.")
         if self.prefill_cap_decodes < 0:
             raise ValueError("prefill_cap_decodes must be >= 0 (0: off), got "
                              f"{self.prefill_cap_decodes}.")

@@ -48,6 +48,14 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.step_cost import StepBudget, StepCostModel
 
+# Decoding streams above which a mixed step is held to `max_mixed_step_ratio` times their
+# decodes alone: with fewer, a stall costs few readers little, and prefill keeps its speed
+# (a long prompt's TTFT; BENCHMARKS.md, "Inter-token latency tails").
+MIXED_STEP_MIN_DECODES = 8
+# Steps within which the prompts pending must fit at the mixed-step cap, else it rises: prompts
+# arriving faster than the cap admits them would queue, and the decode batch would shrink.
+PREFILL_DRAIN_STEPS = 32
+
 
 class Scheduler(RemoteKVScheduling):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -172,19 +180,43 @@ class Scheduler(RemoteKVScheduling):
         block, so that prompts move on), or half the budget while the cost model cannot tell
         it yet (a step of another size than the full ones before teaches it). With
         `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
-        N / streams. A runner that reports no step times gets no cap."""
-        budget, ratio = self.config.max_num_batched_tokens, self.config.max_prefill_step_ratio
-        if ratio <= 0 or not self.step_cost.is_timed or not any(
-                r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+        N / streams. With more than MIXED_STEP_MIN_DECODES streams decoding, the step is also
+        held to `max_mixed_step_ratio` times those decodes alone, unless the prompts pending
+        need more to be prefilled within PREFILL_DRAIN_STEPS steps (`_pending_within`): every
+        stream waits out a mixed step, so with many of them its tail is what a reader sees
+        as stutter. A runner that reports no step times gets no cap."""
+        config = self.config
+        budget, ratio = config.max_num_batched_tokens, config.max_prefill_step_ratio
+        if ratio <= 0 or not self.step_cost.is_timed:
             return budget
-        streams = self.config.prefill_cap_decodes
-        if streams:
-            num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens
-                               for r in self.running)
-            if num_decoding > streams:
-                ratio *= streams / num_decoding
+        num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+        if not num_decoding:
+            return budget
+        streams = config.prefill_cap_decodes
+        if streams and num_decoding > streams:
+            ratio *= streams / num_decoding
         cap = self.step_cost.max_prefill_tokens(ratio)
-        return budget // 2 if cap is None else max(cap, self.block_size)
+        if cap is None:
+            return budget // 2
+        mixed = config.max_mixed_step_ratio
+        if mixed and num_decoding > MIXED_STEP_MIN_DECODES:
+            target = self.step_cost.mixed_step_tokens(mixed, num_decoding)
+            if target is not None and target < cap:
+                cap = max(target, self._pending_within(cap * PREFILL_DRAIN_STEPS)
+                          // PREFILL_DRAIN_STEPS)
+        return max(cap, self.block_size)
+
+    def _pending_within(self, limit: int) -> int:
+        """Prompt tokens not computed yet (waiting requests', running prefills' rest), counted
+        up to `limit`."""
+        pending = 0
+        for request in self.running:
+            pending += max(0, request.num_prompt_tokens - request.num_computed_tokens)
+        for request in self.waiting:
+            if pending >= limit:
+                break
+            pending += request.num_tokens
+        return min(pending, limit)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int,
                                 budget: StepBudget) -> int:

@@ -16,6 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RIDGE = 1.0  # added to Σ tokens² per unit of weight: one token², nothing at real sizes
+# A step this many times what the fit predicts for its size, among the sizes seen, is an outlier
+# (a one-time cost, a pause), not a cost to learn; MAX_OUTLIERS of them in a row are the new
+# normal (the machine slowed down) and are learnt.
+OUTLIER = 4.0
+MAX_OUTLIERS = 3
 
 
 class StepCostModel:
@@ -23,20 +28,40 @@ class StepCostModel:
         self.decay = decay
         self._w = self._wx = self._wxx = self._wt = self._wxt = 0.0  # Σ w·(1, x, x², t, x·t)
         self._is_first = True
+        self._sizes = (0, 0)  # the fewest and most tokens of a recorded step
+        self._outliers = 0  # left out in a row
 
     def record(self, num_tokens: int, seconds: float) -> None:
         """One step's scheduled tokens and seconds. The first step is left out: it pays the
         engine's one-time costs (first touches of buffers and caches), 2-4× a later step of
-        its size, which would teach a fixed cost several times too large."""
+        its size, which would teach a fixed cost several times too large. So is a later
+        outlier (`_is_outlier`: a pause, a first use of some buffer), unless MAX_OUTLIERS came
+        in a row."""
         if self._is_first:
             self._is_first = False
             return
+        if not self._is_outlier(num_tokens, seconds):
+            self._outliers = 0
+        elif self._outliers < MAX_OUTLIERS:
+            self._outliers += 1
+            return
+        low, high = self._sizes if self._w else (num_tokens, num_tokens)
+        self._sizes = (min(low, num_tokens), max(high, num_tokens))
         d, x = self.decay, float(num_tokens)
         self._w = d * self._w + 1.0
         self._wx = d * self._wx + x
         self._wxx = d * self._wxx + x * x
         self._wt = d * self._wt + seconds
         self._wxt = d * self._wxt + x * seconds
+
+    def _is_outlier(self, num_tokens: int, seconds: float) -> bool:
+        """Over OUTLIER times the fit's cost for a size within those seen (beyond them the fit
+        extrapolates, and a step is what teaches it)."""
+        coefficients = self.fit()
+        if coefficients is None or not self._sizes[0] <= num_tokens <= self._sizes[1]:
+            return False
+        predicted = coefficients[0] + coefficients[1] * num_tokens
+        return predicted > 0 and seconds > OUTLIER * predicted
 
     @property
     def is_timed(self) -> bool:
@@ -65,6 +90,18 @@ class StepCostModel:
         if a <= 0 or b <= 0:
             return None
         return int(ratio * a / b)
+
+    def mixed_step_tokens(self, ratio: float, num_decodes: int) -> int | None:
+        """The prefill tokens that keep a step of `num_decodes` decodes within `ratio` times
+        the decodes alone: a + b (D + P) <= ratio (a + b D), so P <= (ratio - 1)(a / b + D).
+        None while that is unknown (as for max_prefill_tokens)."""
+        coefficients = self.fit()
+        if coefficients is None:
+            return None
+        a, b = coefficients
+        if a <= 0 or b <= 0:
+            return None
+        return int((ratio - 1) * (a / b + num_decodes))
 
 
 @dataclass

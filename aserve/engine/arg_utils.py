@@ -32,6 +32,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     max_prefill_step_ratio: float = 4.0
     prefill_cap_decodes: int = 0
+    max_mixed_step_ratio: float = 2.0
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = True
     block_size: int = 16
@@ -155,6 +156,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_prefill_step_ratio=self.max_prefill_step_ratio,
             prefill_cap_decodes=self.prefill_cap_decodes,
+            max_mixed_step_ratio=self.max_mixed_step_ratio,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             max_batches_in_flight=self.max_batches_in_flight,

@@ -16,12 +16,14 @@ BS = 4
 
 
 class FixedCap:
-    """A cost model that allows `cap` prefill tokens beside any decodes; records what it is fed."""
+    """A cost model that allows `cap` prefill tokens beside any decodes, and `mixed` where a
+    mixed step is held to a ratio of its decodes; records what it is fed."""
 
-    def __init__(self, cap: int | None) -> None:
-        self.cap = cap
+    def __init__(self, cap: int | None, mixed: int | None = None) -> None:
+        self.cap, self.mixed = cap, mixed
         self.recorded: list[tuple[int, float]] = []
         self.asked: list[float] = []
+        self.asked_mixed: list[tuple[float, int]] = []
         self.is_timed = True
 
     def record(self, num_tokens: int, seconds: float) -> None:
@@ -31,13 +33,17 @@ class FixedCap:
         self.asked.append(ratio)
         return self.cap
 
+    def mixed_step_tokens(self, ratio: float, num_decodes: int) -> int | None:
+        self.asked_mixed.append((ratio, num_decodes))
+        return self.mixed
+
 
 def make_scheduler(*, ratio: float = 2.0, budget: int = 64, async_scheduling: bool = False,
-                   cost=None, cap_decodes: int = 0) -> Scheduler:
+                   cost=None, cap_decodes: int = 0, mixed: float = 2.0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=128,
                         max_prefill_step_ratio=ratio, async_scheduling=async_scheduling,
-                        prefill_cap_decodes=cap_decodes),
+                        prefill_cap_decodes=cap_decodes, max_mixed_step_ratio=mixed),
         CacheConfig(block_size=BS, num_blocks=129))
     if cost is not None:
         scheduler.step_cost = cost
@@ -98,6 +104,69 @@ def test_more_streams_than_prefill_cap_decodes_scale_the_ratio_down() -> None:
     assert cost.asked[-1] == 2.0 * 2 / streams
     runner.run_until_done()
     assert runner.streamed["late"] == [100 + 30 + i for i in range(20)]
+
+
+def decode_streams(scheduler: Scheduler, runner: FakeRunner, n: int) -> None:
+    """n requests of one block of prompt, all decoding once this returns."""
+    for i in range(n):
+        scheduler.add_request(make_request(f"s{i}", prompt(1 + 10 * i, BS), max_tokens=30))
+    schedule_of(runner)  # every prompt in one step: nothing decodes yet
+
+
+def test_many_streams_hold_a_mixed_step_to_its_ratio_of_the_decodes() -> None:
+    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES
+
+    streams = MIXED_STEP_MIN_DECODES + 2
+    cost = FixedCap(40, mixed=12)
+    scheduler = make_scheduler(cost=cost, mixed=2.5)
+    runner = run(scheduler)
+    decode_streams(scheduler, runner, streams)
+    scheduler.add_request(make_request("late", prompt(200, 30), max_tokens=3))
+    step = schedule_of(runner)
+    assert step.pop("late") == 12  # the mixed-step cap, not the fixed-cost one (40)
+    assert step == {f"s{i}": 1 for i in range(streams)}
+    assert cost.asked_mixed[-1] == (2.5, streams)
+    runner.run_until_done()
+    assert runner.streamed["late"] == [100 + 30 + i for i in range(3)]
+
+
+def test_prompts_pending_raise_the_mixed_step_cap_to_drain_them() -> None:
+    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES, PREFILL_DRAIN_STEPS
+
+    streams = MIXED_STEP_MIN_DECODES + 2
+    scheduler = make_scheduler(cost=FixedCap(40, mixed=12))
+    runner = run(scheduler)
+    decode_streams(scheduler, runner, streams)
+    waiting = 24  # 24 x 30 prompt tokens: 22 a step drains them in 32 steps, more than 12
+    for i in range(waiting):
+        scheduler.add_request(make_request(f"w{i}", prompt(200 + 40 * i, 30), max_tokens=2))
+    step = schedule_of(runner)
+    prefill = sum(n for req_id, n in step.items() if req_id.startswith("w"))
+    assert prefill == waiting * 30 // PREFILL_DRAIN_STEPS == 22
+
+
+def test_few_streams_or_a_ratio_of_0_keep_the_fixed_cost_cap() -> None:
+    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES
+
+    for streams, mixed in ((MIXED_STEP_MIN_DECODES, 2.0), (MIXED_STEP_MIN_DECODES + 2, 0)):
+        cost = FixedCap(40, mixed=12)
+        scheduler = make_scheduler(cost=cost, mixed=mixed)
+        runner = run(scheduler)
+        decode_streams(scheduler, runner, streams)
+        scheduler.add_request(make_request("late", prompt(200, 60), max_tokens=3))
+        assert schedule_of(runner)["late"] == 40
+        assert cost.asked_mixed == []
+
+
+def test_max_mixed_step_ratio_is_above_1_or_0() -> None:
+    import pytest
+
+    for bad in (1.0, 0.5, -2):
+        with pytest.raises(ValueError, match="max_mixed_step_ratio"):
+            SchedulerConfig(max_num_batched_tokens=64, max_model_len=128,
+                            max_mixed_step_ratio=bad)
+    assert SchedulerConfig(max_num_batched_tokens=64, max_model_len=128,
+                           max_mixed_step_ratio=0).max_mixed_step_ratio == 0
 
 
 def test_prefill_cap_decodes_must_not_be_negative() -> None:

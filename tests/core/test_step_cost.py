@@ -23,12 +23,16 @@ def test_fit_recovers_a_linear_step_cost() -> None:
     # 4 fixed costs (60 ms) buy 240 tokens
     assert model.max_prefill_tokens(4.0) in (239, 240)
     assert model.max_prefill_tokens(2.0) in (119, 120)
+    # a step of 30 decodes within 2x their cost alone (a + 30 b = 22.5 ms): 60 + 30 tokens more
+    assert model.mixed_step_tokens(2.0, 30) in (89, 90)
+    assert model.mixed_step_tokens(1.5, 30) in (44, 45)
 
 
 def test_the_cost_is_unknown_before_steps_of_different_sizes() -> None:
     model = StepCostModel()
     assert model.fit() is None and not model.is_timed
     assert model.max_prefill_tokens(4.0) is None
+    assert model.mixed_step_tokens(2.0, 10) is None
     for _ in range(10):
         model.record(512, linear(512))
     assert model.is_timed
@@ -60,3 +64,27 @@ def test_the_first_step_is_left_out() -> None:
     a, b = model.fit()
     assert a == pytest.approx(0.015, rel=0.01)
     assert b == pytest.approx(0.00025, rel=0.01)
+
+
+def test_an_outlier_step_is_left_out_unless_they_keep_coming() -> None:
+    from aserve.core.step_cost import MAX_OUTLIERS, OUTLIER
+
+    model = StepCostModel()
+    for i in range(20):
+        num_tokens = (1, 300)[i % 2]
+        model.record(num_tokens, linear(num_tokens))
+    model.record(1, 1.1 * OUTLIER * linear(1))  # a pause: left out
+    a, b = model.fit()
+    assert a == pytest.approx(0.015, rel=0.01) and b == pytest.approx(0.00025, rel=0.01)
+    model.record(600, 1.1 * OUTLIER * linear(600))  # beyond the sizes seen: learnt
+    assert model.fit()[1] > 0.0003
+    slow = StepCostModel()
+    for i in range(20):
+        num_tokens = (1, 300)[i % 2]
+        slow.record(num_tokens, linear(num_tokens))
+    for _ in range(MAX_OUTLIERS):  # the machine got 5x slower: left out at first...
+        slow.record(150, 5 * linear(150))
+    assert slow.fit()[0] == pytest.approx(0.015, rel=0.01)
+    for _ in range(30):  # ...then learnt
+        slow.record(150, 5 * linear(150))
+    assert slow.fit()[0] + slow.fit()[1] * 150 > 3 * linear(150)
