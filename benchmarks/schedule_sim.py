@@ -32,9 +32,11 @@ first send to last token; TTFT; TPOT per request; ITL: every gap, pooled).
 Policies (`name:knob=value,...`; every cap is at least one block and at most the budget; a
 step without decodes has the whole budget, half of it while the fit cannot tell, as in the
 scheduler; D: the streams decoding, (a, b): the scheduler's fit seconds ≈ a + b · tokens):
-    default   the scheduler's own method: ratio · a / b (ratio 4)
-    decodes   the scheduler's own method with `prefill_cap_decodes` n
-    copy      a copy of the default (the copy is faithful: same figures)
+    default   the scheduler's own method: ratio · a / b (ratio 4), and past 8 streams its
+              mixed-step cap at `max_mixed_step_ratio` k (2; k=0: off, the method this
+              simulator was written to improve on: `copy`)
+    decodes   the scheduler's own method with `prefill_cap_decodes` n (k off)
+    copy      a copy of `default:k=0` (the copy is faithful: same figures)
     target    P ≤ (k - 1)(a / b + D): a step ≤ k × the decode-only step of D streams;
               floored at the pending prefill tokens / horizon
     arrival   ratio · a / b · min(1, n / D), floored at safety × the prompt tokens arriving
@@ -42,6 +44,9 @@ scheduler; D: the streams decoding, (a, b): the scheduler's fit seconds ≈ a + 
     streams   ratio · a / b while D ≤ few; past that min(ratio · a / b, max(target(k),
               pending / horizon))
     fixed     ratio · a / b while D ≤ few; past that at most c tokens
+
+`streams` (k=2, few=8, horizon=32) is what the scheduler now does by default (a test checks
+that the two give the same run).
 """
 
 from __future__ import annotations
@@ -225,7 +230,8 @@ def make_scheduler(spec: str, num_blocks: int = 8192) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
         long_prefill_token_threshold=0, max_prefill_step_ratio=4.0, async_scheduling=False,
-        prefill_cap_decodes=int(knobs.get("n", 4)) if name == "decodes" else 0)
+        prefill_cap_decodes=int(knobs.get("n", 4)) if name == "decodes" else 0,
+        max_mixed_step_ratio=knobs.get("k", 2.0) if name == "default" else 0.0)
     scheduler = Scheduler(config, CacheConfig(block_size=16, num_blocks=num_blocks,
                                               enable_prefix_caching=True))
     policy = POLICIES[name](**knobs) if name not in ("default", "decodes") else None

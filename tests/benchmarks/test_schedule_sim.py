@@ -55,9 +55,11 @@ def test_noise_is_seeded_and_multiplicative() -> None:
     assert all(abs(r) < 0.5 for r in ratios) and any(r != 0 for r in ratios)
 
 
-def test_the_copied_default_policy_gives_the_same_run() -> None:
+def test_the_copied_policies_give_the_scheduler_s_own_runs() -> None:
     for workload in ("chat", "long"):
-        assert ({**sim.simulate(workload, "copy"), "policy": "default"}
+        assert ({**sim.simulate(workload, "copy"), "policy": "default:k=0"}
+                == sim.simulate(workload, "default:k=0"))
+        assert ({**sim.simulate(workload, "streams"), "policy": "default"}
                 == sim.simulate(workload, "default"))
 
 
