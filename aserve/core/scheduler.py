@@ -11,8 +11,10 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
 
 A step that carries decodes keeps them flowing: its prefill tokens are capped at what costs
 `max_prefill_step_ratio` times a step's fixed cost, by a cost model fitted to the steps that
-ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds). A step without
-decodes has the whole budget for prefill.
+ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds); with many
+streams decoding, also at what keeps the step within `max_mixed_step_ratio` times those decodes
+alone, unless the prompts pending need more. A step without decodes has the whole budget for
+prefill.
 
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block

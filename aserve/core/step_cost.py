@@ -7,7 +7,9 @@ pay), b the cost of one more token. It is fitted by least squares over the recor
 older ones weighted down by `decay` per step (so the fit follows the load), with a small ridge
 on b so that steps all of one size still give a fit (b then shrinks to zero: unknown). The
 scheduler asks it how many prefill tokens a step that carries decodes may take
-(`max_prefill_tokens`). Pure Python: the seconds come from the runner's output, not a clock
+(`max_prefill_tokens`: a multiple of the fixed cost; `mixed_step_tokens`: a multiple of the
+decodes alone). A step far slower than the fit predicts for a size it has seen is left out
+(`OUTLIER`). Pure Python: the seconds come from the runner's output, not a clock
 read here. `StepBudget` is what is left of one step's budgets while the scheduler spends them.
 """
 

@@ -2,8 +2,12 @@
 // are parsed once (aserve/kernels/cpu_extension.py builds and loads it). The headers hold the
 // kernels; this file binds the functions Python calls.
 //
-// Each binding goes through torch::wrap_pybind_function, so a TORCH_CHECK failure reaches Python
-// as a RuntimeError carrying its message (as the inline-built extension's bindings did).
+// Each binding goes through torch::wrap_pybind_function_no_gil, so a TORCH_CHECK failure reaches
+// Python as a RuntimeError carrying its message, and the call releases the GIL as torch's own ops
+// do: the kernels touch no Python object (arguments are converted before, results after), and
+// while the worker thread is in one the engine thread and the asyncio frontend run on (held, a
+// request for the GIL would wait out the whole call, or, at the interpreter's switch interval,
+// stall the forward between two calls).
 #include <torch/extension.h>
 
 // A fixed order (each header includes what it needs itself, so any order would compile).
@@ -20,7 +24,7 @@
 #include "moe.h"
 // clang-format on
 
-#define ASERVE_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
+#define ASERVE_DEF(name) m.def(#name, torch::wrap_pybind_function_no_gil(name), #name)
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(paged_decode);
