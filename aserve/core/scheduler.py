@@ -52,7 +52,7 @@ from aserve.core.step_cost import StepBudget, StepCostModel
 
 # Decoding streams above which a mixed step is held to `max_mixed_step_ratio` times their
 # decodes alone: with fewer, a stall costs few readers little, and prefill keeps its speed
-# (a long prompt's TTFT; BENCHMARKS.md, "Inter-token latency tails").
+# (a long prompt's TTFT; BENCHMARKS.md, "Stutter under many streams").
 MIXED_STEP_MIN_DECODES = 8
 # Steps within which the prompts pending must fit at the mixed-step cap, else it rises: prompts
 # arriving faster than the cap admits them would queue, and the decode batch would shrink.

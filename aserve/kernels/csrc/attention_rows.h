@@ -156,7 +156,8 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         const int64_t nt = std::min(kQueryTile, nq - j0), wp = pass_words(nt);
         // keys outside every query's range carry probability 0 for all: skip them
         const int64_t nk = *std::max_element(hi.begin() + j0, hi.begin() + j0 + nt);
-        const int64_t t_lo = *std::min_element(lo.begin() + j0, lo.begin() + j0 + nt) & ~int64_t{1};
+        const int64_t t_lo =
+            *std::min_element(lo.begin() + j0, lo.begin() + j0 + nt) & ~int64_t{1};
         for (int64_t w0 = 0; w0 < words; w0 += wp)
           kWeightedPairs[nt][std::min(wp, words - w0)](vc, offs.data(), t_lo, nk,
                                                        &probs[j0 * p_stride], p_stride, w0,
