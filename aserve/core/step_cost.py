@@ -83,27 +83,25 @@ class StepCostModel:
         """The prefill tokens that cost `ratio` times a step's fixed cost: beside decodes, a
         chunk that large keeps the step within (1 + ratio) times the decodes alone, and runs at
         ratio / (1 + ratio) of the speed of a chunk as large as the budget allows, or better.
-        None while that is unknown (no steps of different sizes yet, or a fit that makes
-        either cost zero or less)."""
-        coefficients = self.fit()
-        if coefficients is None:
-            return None
-        a, b = coefficients
-        if a <= 0 or b <= 0:
-            return None
-        return int(ratio * a / b)
+        None while that is unknown (`_fixed_cost_tokens`)."""
+        tokens = self._fixed_cost_tokens()
+        return None if tokens is None else int(ratio * tokens)
 
     def mixed_step_tokens(self, ratio: float, num_decodes: int) -> int | None:
         """The prefill tokens that keep a step of `num_decodes` decodes within `ratio` times
         the decodes alone: a + b (D + P) <= ratio (a + b D), so P <= (ratio - 1)(a / b + D).
-        None while that is unknown (as for max_prefill_tokens)."""
+        None while that is unknown."""
+        tokens = self._fixed_cost_tokens()
+        return None if tokens is None else int((ratio - 1) * (tokens + num_decodes))
+
+    def _fixed_cost_tokens(self) -> float | None:
+        """a / b, the tokens that cost one fixed cost; None while unknown (no steps of
+        different sizes yet, or a fit that makes either cost zero or less)."""
         coefficients = self.fit()
         if coefficients is None:
             return None
         a, b = coefficients
-        if a <= 0 or b <= 0:
-            return None
-        return int((ratio - 1) * (a / b + num_decodes))
+        return a / b if a > 0 and b > 0 else None
 
 
 @dataclass

@@ -66,6 +66,16 @@ static inline void store_scores(float* s, __m512 sc, float scale, float soft_cap
   _mm512_mask_storeu_ps(s, tail_mask(cnt), sc);
 }
 
+// The largest of row s's scores over keys [a, e) and, given, its head's sink logit: what a
+// softmax subtracts before its exponentials.
+static inline float softmax_top(const float* s, int64_t a, int64_t e, const float* sink) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = a; t < e; t += 16)
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), s + t));
+  const float top = _mm512_reduce_max_ps(mx);
+  return sink ? std::max(top, *sink) : top;
+}
+
 #ifdef __AVX512BF16__
 // ---- keys in lanes: scores without a horizontal reduction, values on pairs of keys ----
 //
@@ -185,11 +195,7 @@ static void softmax_rows_bf16(float* scores, int64_t n, int64_t nq, const int64_
     const int64_t a = lo[j], e = hi[j];
     std::fill(pj, pj + a, uint16_t{0});
     std::fill(pj + e, pj + p_stride, uint16_t{0});
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = a; t < e; t += 16)
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), sj + t));
-    float top = _mm512_reduce_max_ps(mx);
-    if (sinks) top = std::max(top, sinks[j % group]);
+    const float top = softmax_top(sj, a, e, sinks ? sinks + j % group : nullptr);
     const __m512 m = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = a; t < e; t += 16) {
@@ -362,11 +368,7 @@ static void softmax_rows(float* scores, int64_t n, int64_t nq, const int64_t* lo
     const int64_t a = lo[j], e = hi[j];
     std::fill(sj, sj + a, 0.f);
     std::fill(sj + e, sj + n, 0.f);
-    __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = a; t < e; t += 16)
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(e - t), sj + t));
-    float top = _mm512_reduce_max_ps(mx);
-    if (sinks) top = std::max(top, sinks[j % group]);
+    const float top = softmax_top(sj, a, e, sinks ? sinks + j % group : nullptr);
     const __m512 m = _mm512_set1_ps(top);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = a; t < e; t += 16) {
