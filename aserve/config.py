@@ -23,9 +23,9 @@ class SchedulerConfig:
     # With more than this many streams decoding, that cap shrinks by this / their number: every
     # stream waits out a step's prefill, so more streams get smaller chunks. 0: off.
     prefill_cap_decodes: int = 0
-    # With many streams decoding, a step that carries prefill costs at most this many times
-    # their decodes alone, unless the prompts waiting need more to be admitted in time
-    # (Scheduler._max_prefill_tokens). 0: off.
+    # A step that carries prefill and decodes costs at most this many times its decodes
+    # alone, unless the prompts pending need more to be prefilled in time: within 2 steps per
+    # stream decoding, at most 32 (Scheduler._mixed_step_cap). 0: off.
     max_mixed_step_ratio: float = 2.0
     policy: str = "fcfs"  # "fcfs" | "priority"
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again

@@ -42,11 +42,11 @@ scheduler; D: the streams decoding, (a, b): the scheduler's fit seconds ≈ a + 
     arrival   ratio · a / b · min(1, n / D), floored at safety × the prompt tokens arriving
               per step (exponential average over `window` steps)
     streams   ratio · a / b while D ≤ few; past that min(ratio · a / b, max(target(k),
-              pending / horizon))
+              pending / min(per · D, horizon)))
     fixed     ratio · a / b while D ≤ few; past that at most c tokens
 
-`streams` (k=2, few=8, horizon=32) is what the scheduler now does by default (a test checks
-that the two give the same run).
+`streams` (k=2, few=0, per=2, horizon=32) is what the scheduler now does by default (a test
+checks that the two give the same run); `streams:few=8,per=0` is the method before it.
 """
 
 from __future__ import annotations
@@ -117,9 +117,10 @@ def num_decoding(s: Scheduler) -> int:
 
 
 def num_pending_prefill(s: Scheduler) -> int:
-    """Prompt tokens not computed yet: the waiting requests' (all of them; a prefix hit is
-    not known before the lookup) and the running prefills' rest."""
-    return (sum(r.num_tokens for r in s.waiting)
+    """Prompt tokens not computed yet: the waiting requests' past their cached prefix and
+    the running prefills' rest."""
+    kv = s.kv_cache_manager
+    return (sum(r.num_tokens - kv.get_computed_blocks(r)[1] for r in s.waiting)
             + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running))
 
 
@@ -168,17 +169,19 @@ def arrival_policy(n: float = 4, safety: float = 3.0, window: float = 256,
     return policy
 
 
-def streams_policy(k: float = 2.0, few: int = 8, horizon: float = 32,
+def streams_policy(k: float = 2.0, few: int = 0, horizon: float = 32, per: float = 2,
                    ratio: float = 4.0) -> Policy:
-    """While at most `few` streams decode, the default's ratio · a / b (a stall hits few
-    streams, and a long prompt keeps its speed); past that, the step-time target of
-    `target` (P ≤ (k - 1)(a / b + D)), floored by the pending prefill over `horizon` steps
-    (0: no floor), never above the default's cap."""
+    """While at most `few` streams decode, the default's ratio · a / b; past that, the
+    step-time target of `target` (P ≤ (k - 1)(a / b + D)), floored by the pending prefill
+    over min(per · D, horizon) steps (per=0: over `horizon`; horizon=0: no floor), never
+    above the default's cap. The defaults are the scheduler's method; few=8,per=0 the one
+    before it (a prompt spread over 32 steps past 8 streams only)."""
     def rule(s: Scheduler, a: float, b: float, d: int) -> float:
         cap = ratio * a / b
         if d <= few:
             return cap
-        floor = num_pending_prefill(s) / horizon if horizon else 0.0
+        steps = min(per * d, horizon) if per else horizon
+        floor = num_pending_prefill(s) / steps if steps else 0.0
         return min(cap, max((k - 1) * (a / b + d), floor))
     return guarded(rule)
 
@@ -444,7 +447,7 @@ SWEEP = (["default", "copy", "decodes:n=4", "decodes:n=8"]
          + [f"target:k={k},horizon={h}" for k in (1.5, 2, 3) for h in (16, 32)]
          + [f"arrival:n={n},safety={f}" for n in (4, 8) for f in (2, 3)]
          + [f"streams:k={k},horizon={h}" for k in (1.5, 1.75, 2, 2.5) for h in (0, 32)]
-         + ["streams:k=2,few=4", "streams:k=2,few=16"]
+         + ["streams:k=2,few=8,per=0", "streams:k=2,few=4,per=0", "streams:k=2,per=1"]
          + [f"fixed:c={c}" for c in (64, 96, 128)])
 SHORTLIST = ["default", "decodes:n=4", "decodes:n=8", "target:k=2,horizon=32",
              "arrival:n=8,safety=3", "streams:k=1.75", "streams:k=2", "streams:k=2.5",

@@ -50,12 +50,11 @@ from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.step_cost import StepBudget, StepCostModel
 
-# Decoding streams above which a mixed step is held to `max_mixed_step_ratio` times their
-# decodes alone: with fewer, a stall costs few readers little, and prefill keeps its speed
-# (a long prompt's TTFT; BENCHMARKS.md, "Stutter under many streams").
-MIXED_STEP_MIN_DECODES = 8
-# Steps within which the prompts pending must fit at the mixed-step cap, else it rises: prompts
-# arriving faster than the cap admits them would queue, and the decode batch would shrink.
+# A mixed step held to `max_mixed_step_ratio` times its decodes alone may leave prompts
+# pending: the cap rises to what prefills them within this many steps per stream decoding, at
+# most PREFILL_DRAIN_STEPS (`Scheduler._mixed_step_cap`; BENCHMARKS.md, "Stutter under many
+# streams" and "Spreading a prompt over the steps of the streams it stalls").
+DRAIN_STEPS_PER_DECODE = 2
 PREFILL_DRAIN_STEPS = 32
 
 
@@ -182,11 +181,9 @@ class Scheduler(RemoteKVScheduling):
         block, so that prompts move on), or half the budget while the cost model cannot tell
         it yet (a step of another size than the full ones before teaches it). With
         `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
-        N / streams. With more than MIXED_STEP_MIN_DECODES streams decoding, the step is also
-        held to `max_mixed_step_ratio` times those decodes alone, unless the prompts pending
-        need more to be prefilled within PREFILL_DRAIN_STEPS steps (`_pending_within`): every
-        stream waits out a mixed step, so with many of them its tail is what a reader sees
-        as stutter. A runner that reports no step times gets no cap."""
+        N / streams. With `max_mixed_step_ratio`, the step is also held to that ratio of its
+        decodes alone while the prompts pending allow (`_mixed_step_cap`). A runner that
+        reports no step times gets no cap."""
         config = self.config
         budget, ratio = config.max_num_batched_tokens, config.max_prefill_step_ratio
         if ratio <= 0 or not self.step_cost.is_timed:
@@ -200,24 +197,37 @@ class Scheduler(RemoteKVScheduling):
         cap = self.step_cost.max_prefill_tokens(ratio)
         if cap is None:
             return budget // 2
-        mixed = config.max_mixed_step_ratio
-        if mixed and num_decoding > MIXED_STEP_MIN_DECODES:
-            target = self.step_cost.mixed_step_tokens(mixed, num_decoding)
-            if target is not None and target < cap:
-                cap = max(target, self._pending_within(cap * PREFILL_DRAIN_STEPS)
-                          // PREFILL_DRAIN_STEPS)
+        if config.max_mixed_step_ratio:
+            cap = self._mixed_step_cap(cap, num_decoding)
         return max(cap, self.block_size)
 
+    def _mixed_step_cap(self, cap: int, num_decoding: int) -> int:
+        """`cap` lowered to the target of `max_mixed_step_ratio` r: the prefill tokens that
+        keep a step of D decodes within r times the decodes alone
+        (`StepCostModel.mixed_step_tokens`), unless the prompt tokens pending (running
+        prefills' rest, waiting prompts' past their cached prefix: `_pending_within`) need
+        more to be prefilled within min(DRAIN_STEPS_PER_DECODE · D, PREFILL_DRAIN_STEPS)
+        steps. Every stream waits out a mixed step, so a prompt is spread over more, shorter
+        steps the more streams it would stall (a reader sees a long step as stutter); a long
+        prompt among few streams keeps `cap` (its TTFT), and prompts arriving faster than the
+        target admits them cannot queue (the decode batch would shrink)."""
+        target = self.step_cost.mixed_step_tokens(self.config.max_mixed_step_ratio,
+                                                  num_decoding)
+        if target is None or target >= cap:
+            return cap
+        steps = min(DRAIN_STEPS_PER_DECODE * num_decoding, PREFILL_DRAIN_STEPS)
+        return max(target, self._pending_within(cap * steps) // steps)
+
     def _pending_within(self, limit: int) -> int:
-        """Prompt tokens not computed yet (waiting requests', running prefills' rest), counted
-        up to `limit`."""
+        """Prompt tokens not computed yet (running prefills' rest, waiting prompts' past
+        their cached prefix), counted up to `limit`."""
         pending = 0
         for request in self.running:
             pending += max(0, request.num_prompt_tokens - request.num_computed_tokens)
         for request in self.waiting:
             if pending >= limit:
                 break
-            pending += request.num_tokens
+            pending += request.num_tokens - self.kv_cache_manager.get_computed_blocks(request)[1]
         return min(pending, limit)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int,

@@ -65,9 +65,9 @@ ENGINE_HELP = {
                               "costs this many times a step's fixed cost, measured (0: no cap)",
     "prefill_cap_decodes": "with more than N streams decoding in a step, scale that cap by "
                            "N / streams (lower ITL tails, slower admission; 0: off)",
-    "max_mixed_step_ratio": "with more than 8 streams decoding, a step that carries prefill costs "
-                            "at most this many times their decodes alone, measured, unless the "
-                            "waiting prompts need more (0: off)",
+    "max_mixed_step_ratio": "a step that carries prefill and decodes costs at most this many "
+                            "times its decodes alone, measured, unless the prompts pending need "
+                            "more to be prefilled within 2 steps a stream (0: off)",
     "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",

@@ -56,7 +56,7 @@ def test_noise_is_seeded_and_multiplicative() -> None:
 
 
 def test_the_copied_policies_give_the_scheduler_s_own_runs() -> None:
-    for workload in ("chat", "long"):
+    for workload in ("chat", "long", "prefix"):
         assert ({**sim.simulate(workload, "copy"), "policy": "default:k=0"}
                 == sim.simulate(workload, "default:k=0"))
         assert ({**sim.simulate(workload, "streams"), "policy": "default"}

@@ -113,49 +113,66 @@ def decode_streams(scheduler: Scheduler, runner: FakeRunner, n: int) -> None:
     schedule_of(runner)  # every prompt in one step: nothing decodes yet
 
 
-def test_many_streams_hold_a_mixed_step_to_its_ratio_of_the_decodes() -> None:
-    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES
+def test_a_mixed_step_is_held_to_its_ratio_of_the_decodes() -> None:
+    for streams in (3, 10):  # 30 tokens over 6 or 20 steps: under the target
+        cost = FixedCap(40, mixed=12)
+        scheduler = make_scheduler(cost=cost, mixed=2.5)
+        runner = run(scheduler)
+        decode_streams(scheduler, runner, streams)
+        scheduler.add_request(make_request("late", prompt(200, 30), max_tokens=3))
+        step = schedule_of(runner)
+        assert step.pop("late") == 12  # the mixed-step cap, not the fixed-cost one (40)
+        assert step == {f"s{i}": 1 for i in range(streams)}
+        assert cost.asked_mixed[-1] == (2.5, streams)
+        runner.run_until_done()
+        assert runner.streamed["late"] == [100 + 30 + i for i in range(3)]
 
-    streams = MIXED_STEP_MIN_DECODES + 2
-    cost = FixedCap(40, mixed=12)
-    scheduler = make_scheduler(cost=cost, mixed=2.5)
-    runner = run(scheduler)
-    decode_streams(scheduler, runner, streams)
-    scheduler.add_request(make_request("late", prompt(200, 30), max_tokens=3))
-    step = schedule_of(runner)
-    assert step.pop("late") == 12  # the mixed-step cap, not the fixed-cost one (40)
-    assert step == {f"s{i}": 1 for i in range(streams)}
-    assert cost.asked_mixed[-1] == (2.5, streams)
-    runner.run_until_done()
-    assert runner.streamed["late"] == [100 + 30 + i for i in range(3)]
+
+def drain_steps(streams: int) -> int:
+    from aserve.core.scheduler import DRAIN_STEPS_PER_DECODE, PREFILL_DRAIN_STEPS
+
+    return min(DRAIN_STEPS_PER_DECODE * streams, PREFILL_DRAIN_STEPS)
 
 
 def test_prompts_pending_raise_the_mixed_step_cap_to_drain_them() -> None:
-    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES, PREFILL_DRAIN_STEPS
-
-    streams = MIXED_STEP_MIN_DECODES + 2
-    scheduler = make_scheduler(cost=FixedCap(40, mixed=12))
-    runner = run(scheduler)
-    decode_streams(scheduler, runner, streams)
-    waiting = 24  # 24 x 30 prompt tokens: 22 a step drains them in 32 steps, more than 12
-    for i in range(waiting):
-        scheduler.add_request(make_request(f"w{i}", prompt(200 + 40 * i, 30), max_tokens=2))
-    step = schedule_of(runner)
-    prefill = sum(n for req_id, n in step.items() if req_id.startswith("w"))
-    assert prefill == waiting * 30 // PREFILL_DRAIN_STEPS == 22
+    # 24 x 30 prompt tokens pending: over 2 steps a stream (or 32), more than the target (12)
+    for streams, drained in ((10, 36), (20, 22)):
+        scheduler = make_scheduler(cost=FixedCap(40, mixed=12), budget=128)
+        runner = run(scheduler)
+        decode_streams(scheduler, runner, streams)
+        for i in range(24):
+            scheduler.add_request(make_request(f"w{i}", prompt(300 + 40 * i, 30), max_tokens=2))
+        step = schedule_of(runner)
+        prefill = sum(n for req_id, n in step.items() if req_id.startswith("w"))
+        assert prefill == 24 * 30 // drain_steps(streams) == drained
 
 
-def test_few_streams_or_a_ratio_of_0_keep_the_fixed_cost_cap() -> None:
-    from aserve.core.scheduler import MIXED_STEP_MIN_DECODES
+def test_a_cached_prefix_is_not_pending() -> None:
+    shared = prompt(500, 48)
+    for cached, expected in ((False, 60 // drain_steps(2)), (True, 12)):
+        scheduler = make_scheduler(cost=FixedCap(40, mixed=12))
+        runner = run(scheduler)
+        if cached:  # a finished request leaves the 48 tokens' blocks in the prefix cache
+            scheduler.add_request(make_request("first", shared + [1], max_tokens=1))
+            runner.run_until_done()
+        decode_streams(scheduler, runner, 2)
+        scheduler.add_request(make_request("late", shared + prompt(700, 12), max_tokens=2))
+        step = schedule_of(runner)
+        # pending: the 60 tokens over 4 steps (15), or the 12 past the cached 48 (target 12)
+        assert step["late"] == expected
+        runner.run_until_done()
+        assert runner.streamed["late"] == [100 + 60 + i for i in range(2)]
 
-    for streams, mixed in ((MIXED_STEP_MIN_DECODES, 2.0), (MIXED_STEP_MIN_DECODES + 2, 0)):
+
+def test_a_long_prompt_among_few_streams_or_a_ratio_of_0_keep_the_fixed_cost_cap() -> None:
+    for streams, mixed, length in ((1, 2.0, 100), (10, 0, 60)):
         cost = FixedCap(40, mixed=12)
         scheduler = make_scheduler(cost=cost, mixed=mixed)
         runner = run(scheduler)
         decode_streams(scheduler, runner, streams)
-        scheduler.add_request(make_request("late", prompt(200, 60), max_tokens=3))
-        assert schedule_of(runner)["late"] == 40
-        assert cost.asked_mixed == []
+        scheduler.add_request(make_request("late", prompt(200, length), max_tokens=3))
+        assert schedule_of(runner)["late"] == 40  # 100 over 2 steps: above the fixed cap
+        assert (cost.asked_mixed == []) == (mixed == 0)
 
 
 def test_max_mixed_step_ratio_is_above_1_or_0() -> None:
