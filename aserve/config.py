@@ -25,7 +25,7 @@ class SchedulerConfig:
     prefill_cap_decodes: int = 0
     # A step that carries prefill and decodes costs at most this many times its decodes
     # alone, unless the prompts pending need more to be prefilled in time: within 2 steps per
-    # stream decoding, at most 32 (Scheduler._mixed_step_cap). 0: off.
+    # stream decoding, at most 32 (core/step_cost.py, mixed_step_cap). 0: off.
     max_mixed_step_ratio: float = 2.0
     policy: str = "fcfs"  # "fcfs" | "priority"
     # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again

@@ -48,14 +48,7 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import RemoteKVScheduling
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.step_cost import StepBudget, StepCostModel
-
-# A mixed step held to `max_mixed_step_ratio` times its decodes alone may leave prompts
-# pending: the cap rises to what prefills them within this many steps per stream decoding, at
-# most PREFILL_DRAIN_STEPS (`Scheduler._mixed_step_cap`; BENCHMARKS.md, "Stutter under many
-# streams" and "Spreading a prompt over the steps of the streams it stalls").
-DRAIN_STEPS_PER_DECODE = 2
-PREFILL_DRAIN_STEPS = 32
+from aserve.core.step_cost import StepBudget, StepCostModel, prefill_token_cap
 
 
 class Scheduler(RemoteKVScheduling):
@@ -176,47 +169,11 @@ class Scheduler(RemoteKVScheduling):
         return output
 
     def _max_prefill_tokens(self) -> int:
-        """Prefill tokens this step may carry: the whole budget, unless it carries decodes;
-        then what `max_prefill_step_ratio` times a step's fixed cost buys (never under one
-        block, so that prompts move on), or half the budget while the cost model cannot tell
-        it yet (a step of another size than the full ones before teaches it). With
-        `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
-        N / streams. With `max_mixed_step_ratio`, the step is also held to that ratio of its
-        decodes alone while the prompts pending allow (`_mixed_step_cap`). A runner that
-        reports no step times gets no cap."""
-        config = self.config
-        budget, ratio = config.max_num_batched_tokens, config.max_prefill_step_ratio
-        if ratio <= 0 or not self.step_cost.is_timed:
-            return budget
+        """Prefill tokens this step may carry (`step_cost.prefill_token_cap`: the whole
+        budget without decodes, else what the measured step cost allows)."""
         num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
-        if not num_decoding:
-            return budget
-        streams = config.prefill_cap_decodes
-        if streams and num_decoding > streams:
-            ratio *= streams / num_decoding
-        cap = self.step_cost.max_prefill_tokens(ratio)
-        if cap is None:
-            return budget // 2
-        if config.max_mixed_step_ratio:
-            cap = self._mixed_step_cap(cap, num_decoding)
-        return max(cap, self.block_size)
-
-    def _mixed_step_cap(self, cap: int, num_decoding: int) -> int:
-        """`cap` lowered to the target of `max_mixed_step_ratio` r: the prefill tokens that
-        keep a step of D decodes within r times the decodes alone
-        (`StepCostModel.mixed_step_tokens`), unless the prompt tokens pending (running
-        prefills' rest, waiting prompts' past their cached prefix: `_pending_within`) need
-        more to be prefilled within min(DRAIN_STEPS_PER_DECODE · D, PREFILL_DRAIN_STEPS)
-        steps. Every stream waits out a mixed step, so a prompt is spread over more, shorter
-        steps the more streams it would stall (a reader sees a long step as stutter); a long
-        prompt among few streams keeps `cap` (its TTFT), and prompts arriving faster than the
-        target admits them cannot queue (the decode batch would shrink)."""
-        target = self.step_cost.mixed_step_tokens(self.config.max_mixed_step_ratio,
-                                                  num_decoding)
-        if target is None or target >= cap:
-            return cap
-        steps = min(DRAIN_STEPS_PER_DECODE * num_decoding, PREFILL_DRAIN_STEPS)
-        return max(target, self._pending_within(cap * steps) // steps)
+        return prefill_token_cap(self.config, self.step_cost, num_decoding,
+                                 self._pending_within, self.block_size)
 
     def _pending_within(self, limit: int) -> int:
         """Prompt tokens not computed yet (running prefills' rest, waiting prompts' past

@@ -6,16 +6,19 @@ a is a step's fixed cost (every weight read once, the step's overheads: what a f
 pay), b the cost of one more token. It is fitted by least squares over the recorded steps,
 older ones weighted down by `decay` per step (so the fit follows the load), with a small ridge
 on b so that steps all of one size still give a fit (b then shrinks to zero: unknown). The
-scheduler asks it how many prefill tokens a step that carries decodes may take
-(`max_prefill_tokens`: a multiple of the fixed cost; `mixed_step_tokens`: a multiple of the
-decodes alone). A step far slower than the fit predicts for a size it has seen is left out
+scheduler asks `prefill_token_cap` how many prefill tokens a step may take, which asks the
+model (`max_prefill_tokens`: a multiple of the fixed cost; `mixed_step_tokens`: a multiple of
+the decodes alone). A step far slower than the fit predicts for a size it has seen is left out
 (`OUTLIER`). Pure Python: the seconds come from the runner's output, not a clock
 read here. `StepBudget` is what is left of one step's budgets while the scheduler spends them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from aserve.config import SchedulerConfig
 
 RIDGE = 1.0  # added to Σ tokens² per unit of weight: one token², nothing at real sizes
 # A step this many times what the fit predicts for its size, among the sizes seen, is an outlier
@@ -23,6 +26,12 @@ RIDGE = 1.0  # added to Σ tokens² per unit of weight: one token², nothing at 
 # normal (the machine slowed down) and are learnt.
 OUTLIER = 4.0
 MAX_OUTLIERS = 3
+# A mixed step held to `max_mixed_step_ratio` times its decodes alone may leave prompts
+# pending: the cap rises to what prefills them within this many steps per stream decoding, at
+# most PREFILL_DRAIN_STEPS (`mixed_step_cap`; BENCHMARKS.md, "Stutter under many streams" and
+# "Spreading a prompt over the steps of the streams it stalls").
+DRAIN_STEPS_PER_DECODE = 2
+PREFILL_DRAIN_STEPS = 32
 
 
 class StepCostModel:
@@ -102,6 +111,49 @@ class StepCostModel:
             return None
         a, b = coefficients
         return a / b if a > 0 and b > 0 else None
+
+
+def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding: int,
+                      pending_within: Callable[[int], int], block_size: int) -> int:
+    """Prefill tokens a step may carry: the whole budget, unless it carries decodes
+    (`num_decoding` streams); then what `max_prefill_step_ratio` times a step's fixed cost
+    buys (never under one block, so that prompts move on), or half the budget while the cost
+    model cannot tell it yet (a step of another size than the full ones before teaches it).
+    With `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
+    N / streams. With `max_mixed_step_ratio`, the step is also held to that ratio of its
+    decodes alone while the prompts pending allow (`mixed_step_cap`; `pending_within(limit)`:
+    the prompt tokens pending, counted up to limit). A runner that reports no step times gets
+    no cap."""
+    budget, ratio = config.max_num_batched_tokens, config.max_prefill_step_ratio
+    if ratio <= 0 or not cost.is_timed or not num_decoding:
+        return budget
+    streams = config.prefill_cap_decodes
+    if streams and num_decoding > streams:
+        ratio *= streams / num_decoding
+    cap = cost.max_prefill_tokens(ratio)
+    if cap is None:
+        return budget // 2
+    if config.max_mixed_step_ratio:
+        cap = mixed_step_cap(cost, config.max_mixed_step_ratio, cap, num_decoding,
+                             pending_within)
+    return max(cap, block_size)
+
+
+def mixed_step_cap(cost: StepCostModel, ratio: float, cap: int, num_decoding: int,
+                   pending_within: Callable[[int], int]) -> int:
+    """`cap` lowered to the target of the mixed-step `ratio` r: the prefill tokens that keep a
+    step of D decodes within r times the decodes alone (`StepCostModel.mixed_step_tokens`),
+    unless the prompt tokens pending (running prefills' rest, waiting prompts' past their
+    cached prefix) need more to be prefilled within min(DRAIN_STEPS_PER_DECODE · D,
+    PREFILL_DRAIN_STEPS) steps. Every stream waits out a mixed step, so a prompt is spread
+    over more, shorter steps the more streams it would stall (a reader sees a long step as
+    stutter); a long prompt among few streams keeps `cap` (its TTFT), and prompts arriving
+    faster than the target admits them cannot queue (the decode batch would shrink)."""
+    target = cost.mixed_step_tokens(ratio, num_decoding)
+    if target is None or target >= cap:
+        return cap
+    steps = min(DRAIN_STEPS_PER_DECODE * num_decoding, PREFILL_DRAIN_STEPS)
+    return max(target, pending_within(cap * steps) // steps)
 
 
 @dataclass

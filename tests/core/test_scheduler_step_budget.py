@@ -129,7 +129,7 @@ def test_a_mixed_step_is_held_to_its_ratio_of_the_decodes() -> None:
 
 
 def drain_steps(streams: int) -> int:
-    from aserve.core.scheduler import DRAIN_STEPS_PER_DECODE, PREFILL_DRAIN_STEPS
+    from aserve.core.step_cost import DRAIN_STEPS_PER_DECODE, PREFILL_DRAIN_STEPS
 
     return min(DRAIN_STEPS_PER_DECODE * streams, PREFILL_DRAIN_STEPS)
 
