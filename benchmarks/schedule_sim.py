@@ -117,11 +117,9 @@ def num_decoding(s: Scheduler) -> int:
 
 
 def num_pending_prefill(s: Scheduler) -> int:
-    """Prompt tokens not computed yet: the waiting requests' past their cached prefix and
-    the running prefills' rest."""
-    kv = s.kv_cache_manager
-    return (sum(r.num_tokens - kv.get_computed_blocks(r)[1] for r in s.waiting)
-            + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in s.running))
+    """Prompt tokens not computed yet, all of them: the scheduler's own count (waiting
+    prompts' past their cached prefix, running prefills' rest)."""
+    return s._pending_within(sys.maxsize)
 
 
 def guarded(rule: Callable[[Scheduler, float, float, int], float]) -> Policy:
