@@ -46,6 +46,9 @@ class EngineArgs:
     device: str = "auto"  # auto | cuda | rocm | xla | cpu
     served_model_name: str | None = None
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
+    # Two dummy prompts run before the engine serves (EngineCore._warm_up): the first user's
+    # steps are not cold, and the prefill budget's step costs are known from the start
+    warmup: bool = True
     tensor_parallel_size: int = 1  # ranks splitting each layer; spawned by this process
     pipeline_parallel_size: int = 1  # stages of consecutive layers, a batch per stage in flight
     pp_layer_partition: str | None = None  # layers per stage, e.g. "10,20"; None: even split

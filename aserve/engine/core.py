@@ -43,11 +43,13 @@ from aserve.executor import multiproc
 from aserve.executor.base import Executor
 from aserve.executor.factory import make_executor
 from aserve.kv_transfer import KVConnectorBase, KVConnectorRole, create_connector
+from aserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 KV_POLL_S = 0.002  # a step with nothing to compute, only KV transfers to wait for, waits this
 KV_IDLE_POLL_S = 0.05  # no request left, only blocks held for a peer: the inbox waits this
+WARMUP_TOKENS = 2  # each warm-up prompt's output: a prefill, then a decode (`_warm_up`)
 
 
 def run_worker_node(args: EngineArgs) -> None:
@@ -111,6 +113,36 @@ class EngineCore:
         self.async_scheduling = args.async_scheduling
         self.max_in_flight = args.max_batches_in_flight
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        if args.warmup and self.kv_connector is None:
+            self._warm_up(args)
+
+    def _warm_up(self, args: EngineArgs) -> None:
+        """Run two dummy prompts through the engine before it serves: one of the whole step
+        budget, then one of half of it beside the first's decode. A user's first steps then
+        pay none of the one-time costs (the first touches of the activation buffers, of the
+        kernels' packed weights and plans: a cold step runs 2-3x a warm one), and the step-cost
+        model starts from steps of three sizes instead of guessing (half the budget beside
+        decodes) until the load has shown it two. Whatever the prompts leave (cached blocks,
+        counters, the step log) is cleared; the learnt step costs stay."""
+        n = min(self.max_num_batched_tokens, self.model_info.max_model_len - WARMUP_TOKENS)
+        groups, budget = self.kv_cache_groups, self.max_num_batched_tokens
+        while n >= args.block_size and (
+                blocks_per_request(groups, n + WARMUP_TOKENS, budget)
+                + blocks_per_request(groups, n // 2 + WARMUP_TOKENS, budget) >= self.num_blocks):
+            n //= 2
+        if n < args.block_size:
+            return  # a cache too small to spare: nothing to learn a cost from
+        params = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+        vocab = self.model_info.vocab_size
+        for i, length in enumerate((n, n // 2)):
+            prompt = [(7919 * (t + i) + 1) % vocab for t in range(length)]
+            self.add_request(Request(f"aserve-warmup-{i}", prompt, params))
+        while self.has_work():
+            self.step()
+        self.scheduler.reset_prefix_cache()
+        kv = self.scheduler.kv_cache_manager
+        kv.prefix_cache_queries = kv.prefix_cache_hits = 0
+        self.num_steps, self.forward_seconds, self.step_log = 0, 0.0, StepLog()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

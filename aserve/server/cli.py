@@ -78,6 +78,9 @@ ENGINE_HELP = {
                               "KV cache); ignored on CPU",
     "async_scheduling": "schedule the next step while the current one runs",
     "enforce_eager": "run every step eagerly: no CUDA/HIP graphs of decode batches",
+    "warmup": "before serving, run two dummy prompts (the step budget, then half of it "
+              "beside a decode): the first users' steps are not cold, and the prefill cap "
+              "knows the step costs from the start",
     "tensor_parallel_size": "ranks that split every layer (heads, FFN columns/rows, vocab); "
                             "this process spawns ranks 1..N-1",
     "pipeline_parallel_size": "pipeline stages, each a run of consecutive layers on its own "
