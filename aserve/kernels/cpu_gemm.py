@@ -13,6 +13,10 @@ linear (`benchmarks/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a d
 every weight from memory (29 GB/s vs oneDNN's 18). Sums run in another order than oneDNN's, so
 results differ from `F.linear` in the last bf16 bit of some outputs.
 
+On CPUs with AMX (Intel Sapphire Rapids and later) the same panels go to the tile unit instead
+(`amx()`): 16 rows x 48 columns per tile product, at every row count, since it wins even at
+one row (BENCHMARKS.md, "AMX"). Its sums agree with the vector tiles' to float32 rounding.
+
 Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
 lacks AVX512-BF16 (the caller then keeps oneDNN or `F.linear`).
 """
@@ -42,6 +46,16 @@ def available() -> bool:
     """Whether this CPU build has the AVX512-BF16 GEMM."""
     module = _module()
     return module is not None and module.gemm_supported()
+
+
+def amx(enabled: bool | None = None) -> bool:
+    """Whether GEMMs over K a multiple of 32 run on AMX tiles, which they do wherever the CPU
+    and Linux have them; `enabled=False` keeps every GEMM on the vector tiles (tests, A/B
+    benchmarks), `True` gives the tiles back."""
+    module = _module()
+    if module is None:
+        return False
+    return module.gemm_amx(-1 if enabled is None else int(enabled))
 
 
 class PackedWeight:

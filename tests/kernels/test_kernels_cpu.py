@@ -239,12 +239,27 @@ def test_cpu_store_kv_skips_padding_slots():
     assert got[0].count_nonzero() == 4 * 3 * 16  # four rows written, the padding ones not
 
 
+@pytest.fixture(params=["vector", "amx"])
+def gemm_tiles(request):
+    """Each GEMM test on both kinds of tiles: the vector tiles everywhere, AMX where the CPU
+    has it (skipped elsewhere)."""
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no AVX512-BF16 build here")
+    if request.param == "amx" and not cpu_gemm.amx():
+        pytest.skip("no AMX tiles here")
+    cpu_gemm.amx(request.param == "amx")
+    yield request.param
+    cpu_gemm.amx(True)
+
+
 @pytest.mark.parametrize("rows,out_features,in_features", [
     (1, 5, 2), (7, 48, 64), (8, 96, 576), (13, 1000, 576), (64, 3072, 576), (70, 50, 34),
-    (130, 49, 1536)])
+    (130, 49, 1536), (17, 100, 64), (79, 48, 96)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_cpu_gemm_matches_float32_matmul_to_one_bf16_step(rows, out_features, in_features,
-                                                          with_bias):
+                                                          with_bias, gemm_tiles):
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
@@ -260,7 +275,7 @@ def test_cpu_gemm_matches_float32_matmul_to_one_bf16_step(rows, out_features, in
     assert torch.all((got.double() - exact).abs() <= step + 1e-3 * exact.abs().max())
 
 
-def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
+def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows(gemm_tiles):
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
@@ -274,7 +289,8 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows():
 
 @pytest.mark.parametrize("rows,out_features,in_features",
                          [(1, 49152, 576), (9, 100, 64), (70, 50, 34)])
-def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in_features):
+def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in_features,
+                                                          gemm_tiles):
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
@@ -292,7 +308,8 @@ def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in
 
 @pytest.mark.parametrize("rows,d,in_features", [
     (1, 1536, 576), (9, 50, 128), (64, 1536, 576), (70, 24, 34), (100, 40, 64)])
-def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, d, in_features):
+def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, d, in_features,
+                                                                          gemm_tiles):
     from aserve.kernels import cpu_elementwise, cpu_gemm
 
     if not cpu_gemm.available():
@@ -310,7 +327,30 @@ def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, 
     assert torch.equal(fused, cpu_elementwise.silu_and_mul_ref(gate_up))
 
 
-def test_cpu_gemm_weights_gathered_in_huge_pages_compute_the_same():
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 65, 200])
+def test_amx_tiles_agree_with_the_vector_tiles_row_by_row(rows):
+    """AMX rounds its sums its own way (most outputs bit-equal to the vector tiles', some one
+    bf16 step apart), and a row's result does not depend on the rows beside it (a tail group
+    recomputes rows it does not store)."""
+    from aserve.kernels import cpu_gemm
+
+    if not cpu_gemm.available() or not cpu_gemm.amx():
+        pytest.skip("no AMX tiles here")
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = cpu_gemm.PackedWeight(torch.randn(200, 576, generator=gen).bfloat16())
+    amx = w.linear(x)
+    assert torch.equal(torch.cat([w.linear(x[i:i + 1]) for i in range(rows)]), amx)
+    try:
+        cpu_gemm.amx(False)
+        vector = w.linear(x)
+    finally:
+        cpu_gemm.amx(True)
+    step = vector.float().abs().clamp(min=2.0**-126) * 2.0**-7
+    assert torch.all((amx.float() - vector.float()).abs() <= step)
+
+
+def test_cpu_gemm_weights_gathered_in_huge_pages_compute_the_same(gemm_tiles):
     from aserve.kernels.cpu_gemm import PackedWeight, available, gather_in_huge_pages
 
     if not available():

@@ -38,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(swiglu_oai_and_mul);
   ASERVE_DEF(argmax_rows);
   ASERVE_DEF(gemm_supported);
+  ASERVE_DEF(gemm_amx);
   ASERVE_DEF(gemm_pack);
   ASERVE_DEF(gemm_linear);
   ASERVE_DEF(decoder_layer);

@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -30,6 +31,11 @@
 
 #if defined(ASERVE_AVX512) && defined(__AVX512BF16__)
 #define ASERVE_GEMM 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define ASERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 constexpr int64_t kVecs = 3, kPanel = 16 * kVecs, kHalf = kPanel / 2, kRows = 8,
@@ -184,13 +190,131 @@ static const Tile kTiles[kEpilogues][kRows + 1] = {
 
 // c[0:M, 0:cols] = a[0:M, :] (stride K) @ one panel (K / 2 k-pairs), 8 rows per tile, stored by
 // `tiles` (one epilogue's row of kTiles) into c (row stride ldc, `item` bytes per element).
-static inline void panel_rows(const Tile* tiles, const at::BFloat16* a, int64_t M, int64_t K,
-                              const at::BFloat16* panel, char* c, int64_t ldc, int64_t item,
-                              int64_t cols, const TileEpilogue& ep) {
+static inline void vector_panel_rows(const Tile* tiles, const at::BFloat16* a, int64_t M,
+                                     int64_t K, const at::BFloat16* panel, char* c, int64_t ldc,
+                                     int64_t item, int64_t cols, const TileEpilogue& ep) {
   for (int64_t m = 0; m < M; m += kRows)
     tiles[std::min(kRows, M - m)](a + m * K, K, panel, K / 2, c + m * ldc * item, ldc, cols, ep);
 }
+
+#ifdef ASERVE_AMX
+// AMX (Sapphire Rapids and later): the same panels feed the tile unit. A B tile is 16 k-pairs x
+// 16 outputs x 2, which is one vector's slice of a panel (its rows 192 bytes apart), so the
+// packing is shared with the vector tiles. The sums agree with theirs to float32 rounding, not
+// bit for bit (the tile unit adds a row's products in its own order).
+//
+//   tmm0-2: C, m rows x 16 float32 (the panel's 3 vectors)    tmm3: A, m rows x 32 bf16 of x
+//   tmm4-6: B, 16 k-pairs x 16 outputs x 2 (K in steps of 32)  (m: 16, or M when M < 16)
+
+// Linux hands out the tile state only to a process that asks (arch_prctl); whether it did.
+static bool amx_enabled() {
+  static const bool enabled = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return enabled;
+}
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit AmxConfig(int m) {
+    for (int t = 0; t < 7; ++t) colsb[t] = 64, rows[t] = t < 4 ? m : 16;
+  }
+};
+
+static thread_local int amx_rows = 0;  // the C and A tiles' rows this thread configured; 0: none
+
+static inline void amx_configure(int m) {
+  if (amx_rows == m) return;
+  const AmxConfig config(m);
+  _tile_loadconfig(&config);
+  amx_rows = m;
+}
+
+// c[0:M, 0:cols] = a[0:M, :] @ one panel by AMX tiles of 16 rows (a last group of fewer is
+// computed as rows [M - 16, M), only its new rows stored), or one tile of M < 16 rows.
+template <int E>
+static void amx_panel_rows(const at::BFloat16* a, int64_t M, int64_t K,
+                           const at::BFloat16* panel, char* c, int64_t ldc, int64_t item,
+                           int64_t cols, const TileEpilogue& ep) {
+  amx_configure(static_cast<int>(std::min<int64_t>(M, 16)));
+  alignas(64) float sums[16][kPanel];
+  constexpr int64_t kPanelRow = kVecs * 64;  // bytes between a panel's k-pairs
+  for (int64_t m = 0; m < M; m += 16) {
+    const int64_t start = std::max<int64_t>(0, std::min(m, M - 16));
+    const at::BFloat16* x = a + start * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = 0; k < K; k += 32) {
+      const at::BFloat16* b = panel + k * kPanel;  // the panel's k-pair k / 2
+      _tile_loadd(3, x + k, K * 2);
+      _tile_loadd(4, b, kPanelRow);
+      _tile_loadd(5, b + 32, kPanelRow);
+      _tile_loadd(6, b + 64, kPanelRow);
+      _tile_dpbf16ps(0, 3, 4);
+      _tile_dpbf16ps(1, 3, 5);
+      _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, &sums[0][0], kPanel * 4);
+    _tile_stored(1, &sums[0][16], kPanel * 4);
+    _tile_stored(2, &sums[0][32], kPanel * 4);
+    for (int64_t r = m - start; r < std::min<int64_t>(16, M - start); ++r) {
+      __m512 acc[1][kVecs] = {{_mm512_load_ps(&sums[r][0]), _mm512_load_ps(&sums[r][16]),
+                               _mm512_load_ps(&sums[r][32])}};
+      store_tile<1, E>(acc, c + (start + r) * ldc * item, ldc, cols, ep);
+    }
+  }
+}
+
+using AmxRows = void (*)(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, char*,
+                         int64_t, int64_t, int64_t, const TileEpilogue&);
+static const AmxRows kAmxRows[kEpilogues] = {
+    amx_panel_rows<kPlain>,      amx_panel_rows<kGatedSplit>, amx_panel_rows<kGatedSilu>,
+    amx_panel_rows<kPlainFloat>, amx_panel_rows<kGatedGelu>,  amx_panel_rows<kGatedSwiglu>};
 #endif
+
+// c[0:M, 0:cols] = a[0:M, :] (stride K) @ one panel, stored by `epilogue` into c (row stride
+// ldc, `item` bytes per element): by AMX tiles where `amx` (use_amx(K)), else vector tiles.
+static inline void panel_rows(int epilogue, bool amx, const at::BFloat16* a, int64_t M,
+                              int64_t K, const at::BFloat16* panel, char* c, int64_t ldc,
+                              int64_t item, int64_t cols, const TileEpilogue& ep) {
+#ifdef ASERVE_AMX
+  if (amx) return kAmxRows[epilogue](a, M, K, panel, c, ldc, item, cols, ep);
+#endif
+  vector_panel_rows(kTiles[epilogue], a, M, K, panel, c, ldc, item, cols, ep);
+}
+
+// The end of a thread's share of panel_rows calls: its tile state is given back (a thread
+// holding it saves 8 KB more at every context switch).
+static inline void panel_rows_done() {
+#ifdef ASERVE_AMX
+  if (amx_rows != 0) _tile_release(), amx_rows = 0;
+#endif
+}
+#endif
+
+// Whether GEMMs over K go to the AMX tiles: wherever the CPU has them, at every row count (a
+// 2-core Xeon with AMX, smol's [1536, 576] weight: 14 us at 1 row against the vector tiles' 20,
+// 22 us at 16 rows against 103 at 12; BENCHMARKS.md, "AMX").
+static std::atomic<bool> amx_allowed{true};  // gemm_amx(0) turns the tiles off (tests, A/B)
+
+static inline bool use_amx(int64_t K) {
+#ifdef ASERVE_AMX
+  return K % 32 == 0 && amx_allowed.load(std::memory_order_relaxed) && amx_enabled();
+#else
+  return false;
+#endif
+}
+
+// mode 0: vector tiles only; 1: AMX where the CPU has it; -1: no change. Whether GEMMs (over K
+// a multiple of 32) now run on AMX tiles.
+bool gemm_amx(int64_t mode) {
+  if (mode >= 0) amx_allowed = mode != 0;
+  return use_amx(32);
+}
 
 // y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
 // y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits: whole lines
@@ -221,8 +345,8 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   char* c = static_cast<char*>(y.data_ptr());
   const int64_t item = y.element_size();
-  const Tile* tiles = kTiles[epilogue];
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  const bool amx = use_amx(K);
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     TileEpilogue ep;
     ep.d = d;
@@ -230,9 +354,10 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
       const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
       const int64_t cols = std::min(width, (gated ? d : N) - p * width);
       ep.bias = b == nullptr ? nullptr : b + p * kPanel;
-      panel_rows(tiles, a + m0 * K, std::min(kRowBlock, M - m0), K, w + p * K2 * kPanel * 2,
-                 c + (m0 * ldc + p * width) * item, ldc, item, cols, ep);
+      panel_rows(epilogue, amx, a + m0 * K, std::min(kRowBlock, M - m0), K,
+                 w + p * K2 * kPanel * 2, c + (m0 * ldc + p * width) * item, ldc, item, cols, ep);
     }
+    panel_rows_done();
     _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
   });
 #endif

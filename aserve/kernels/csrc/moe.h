@@ -98,6 +98,7 @@ static void for_each_task(const std::vector<MoeTask>& tasks, const F& fn) {
       const auto last = std::lower_bound(before.begin(), before.end() - 1,
                                          before[n] * (th + 1) / threads);
       for (auto i = first; i < last; ++i) fn(tasks[i - before.begin()]);
+      panel_rows_done();
     }
   });
 }
@@ -190,12 +191,13 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
   const bf16* b13 = w13_bias.has_value() ? w13_bias->data_ptr<bf16>() : nullptr;
   const int64_t panels13 = w13.size(1), panel13 = H / 2 * kPanel * 2;  // bf16 per panel
   const std::vector<MoeTask> up = moe_tasks(r, panels13);
+  const bool amx13 = use_amx(H), amx2 = use_amx(I);
   TileEpilogue gated;
   gated.d = I, gated.swiglu = SwigluOaiMul(alpha, limit);
   for_each_task(up, [&](const MoeTask& t) {
     TileEpilogue ep = gated;
     ep.bias = b13 == nullptr ? nullptr : b13 + t.e * 2 * I + t.p * kHalf;
-    panel_rows(kTiles[epilogue], xsp + t.m0 * H, t.rows, H, w13p + (t.e * panels13 + t.p) * panel13,
+    panel_rows(epilogue, amx13, xsp + t.m0 * H, t.rows, H, w13p + (t.e * panels13 + t.p) * panel13,
                reinterpret_cast<char*>(hp + t.m0 * I + t.p * kHalf), I, sizeof(bf16),
                std::min(kHalf, I - t.p * kHalf), ep);
   });
@@ -207,7 +209,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
   for_each_task(down, [&](const MoeTask& t) {
     TileEpilogue ep;
     ep.bias = b2 == nullptr ? nullptr : b2 + t.e * H + t.p * kPanel;
-    panel_rows(kTiles[kPlain], hp + t.m0 * I, t.rows, I, w2p + (t.e * panels2 + t.p) * panel2,
+    panel_rows(kPlain, amx2, hp + t.m0 * I, t.rows, I, w2p + (t.e * panels2 + t.p) * panel2,
                reinterpret_cast<char*>(yp + t.m0 * H + t.p * kPanel), H, sizeof(bf16),
                std::min(kPanel, H - t.p * kPanel), ep);
   });
