@@ -6,8 +6,8 @@ copy of any sequence.
                             then attend for every row of the batch, two C++ calls per layer
     attend_rows (C++)       tiles of up to ROW_TILE query rows of one request (a decode row is a
                             tile of one; a prefill chunk, with or without cached context, is cut
-                            into tiles); on AMX machines chunks over LONG_CHUNK rows go to
-                            SDPA instead
+                            into tiles); on AMX machines chunks of SDPA_MIN_ROWS rows and
+                            SDPA_MIN_WORK rows x keys or more go to SDPA instead
     store_kv (C++)          this step's K/V rows into their slots
 
 One task per (tile, kv head) serves the tile's rows x G = Hq / Hkv query heads at once, so each
@@ -39,26 +39,38 @@ from aserve.kernels.paged_attention import attend_chunks, checked_sinks
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
 ROW_TILE = 8  # query rows of one request that share a task (and each K/V row read)
-# Where torch's SDPA runs on AMX tiles (oneDNN), chunks longer than LONG_CHUNK go to it: a
-# GEMM-based kernel won on long prompts there. Without AMX the row-tile kernel is the faster one
-# at every length, so it takes every chunk (AVX-512-BF16 EPYC, one layer of 9 / 3 heads of 64:
-# 2,048 fresh rows 22 vs 48 ms; 2,048 rows over 8,192 keys 219 vs 381 ms; BENCHMARKS.md, "Long-
-# context prefill").
-LONG_CHUNK = 1024
+# Where torch's SDPA runs on AMX tiles (oneDNN's GEMMs), a chunk of at least SDPA_MIN_ROWS rows
+# and SDPA_MIN_WORK rows x keys goes to it: there it beats the row tiles from about that size on
+# (2-core Xeon with AMX, one smol layer: 512 rows over 1,536 keys 3.7 vs 9.3 ms, 64 over 1,024
+# 0.54 vs 0.87, 32 over 2,048 0.79 vs 0.93; but 32 over 512 0.26 vs 0.23 and 64 over 128 0.14 vs
+# 0.10). Without AMX the row-tile kernel is the faster one at every size, so it takes every
+# chunk (AVX-512-BF16 EPYC: 2,048 fresh rows 22 vs 48 ms; 2,048 rows over 8,192 keys 219 vs
+# 381 ms). BENCHMARKS.md, "Long-context prefill" and "AMX".
+SDPA_MIN_ROWS = 32
+SDPA_MIN_WORK = 32 * 1024
 SDPA_FOR_LONG_CHUNKS = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def goes_to_sdpa(q_lens: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+    """Which chunks (rows, keys of the last row) SDPA takes where `SDPA_FOR_LONG_CHUNKS`."""
+    return (q_lens >= SDPA_MIN_ROWS) & (q_lens * seq_lens >= SDPA_MIN_WORK)
 
 
 def plan_tiles(starts: np.ndarray, seq_lens: np.ndarray, row_tile: int = ROW_TILE,
                long_chunk: int | None = None) -> tuple[torch.Tensor, list[int]]:
     """Row tiles of one step for `attend_rows`: [N, 4] int64 (request, first row, rows, keys of
     the first row), the costliest first (rows x keys: threads claim them in this order, so the
-    big ones do not come last), and the requests whose chunk is left to SDPA (longer than
-    `long_chunk`; None: LONG_CHUNK where `SDPA_FOR_LONG_CHUNKS`, else no chunk is)."""
-    if long_chunk is None:
-        long_chunk = LONG_CHUNK if SDPA_FOR_LONG_CHUNKS else np.iinfo(np.int64).max
+    big ones do not come last), and the requests whose chunk is left to SDPA (`goes_to_sdpa`
+    where `SDPA_FOR_LONG_CHUNKS`, else none; `long_chunk`: those of more rows than that)."""
     q_lens = np.diff(starts).astype(np.int64)
-    long_reqs = np.flatnonzero(q_lens > long_chunk)
-    tiled = np.where(q_lens > long_chunk, 0, q_lens)
+    if long_chunk is not None:
+        to_sdpa = q_lens > long_chunk
+    elif SDPA_FOR_LONG_CHUNKS:
+        to_sdpa = goes_to_sdpa(q_lens, np.asarray(seq_lens, dtype=np.int64))
+    else:
+        to_sdpa = np.zeros(len(q_lens), dtype=bool)
+    long_reqs = np.flatnonzero(to_sdpa)
+    tiled = np.where(to_sdpa, 0, q_lens)
     num_tiles = -(-tiled // row_tile)
     req = np.repeat(np.arange(len(q_lens)), num_tiles)
     k = np.arange(len(req)) - np.repeat(np.cumsum(num_tiles) - num_tiles, num_tiles)

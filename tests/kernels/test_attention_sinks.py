@@ -23,6 +23,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import numpy as np
 import torch
 from helpers.attention import dense_attention
 from helpers.hybrid_batch import (
@@ -168,7 +169,7 @@ def test_cpu_ops_match_hf_gpt_oss_attention_and_ignore_out_of_window_blocks(
     assert torch.equal(run_cpu_op(op, hybrid, REQS, scale, window, None, sinks), got)
 
 
-# chunks over cpu_attention.LONG_CHUNK rows (SDPA's path where SDPA_FOR_LONG_CHUNKS), with and
+# chunks cpu_attention.goes_to_sdpa sends to SDPA where SDPA_FOR_LONG_CHUNKS, with and
 # without cached context
 LONG = [(1100, 1100), (1030, 1060), (1, 1200), (5, 90)]
 
@@ -177,10 +178,10 @@ LONG = [(1100, 1100), (1030, 1060), (1, 1200), (5, 90)]
 @pytest.mark.parametrize("window", [7, None])
 def test_cpu_forward_long_chunks_match_hf_gpt_oss_attention(window, monkeypatch):
     from aserve.kernels import cpu_attention
-    from aserve.kernels.cpu_attention import LONG_CHUNK
+    from aserve.kernels.cpu_attention import goes_to_sdpa
 
     monkeypatch.setattr(cpu_attention, "SDPA_FOR_LONG_CHUNKS", True)  # (as on AMX machines)
-    assert max(q for q, _ in LONG) > LONG_CHUNK
+    assert goes_to_sdpa(*np.array(LONG).T).any()
     batch = make_batch(LONG, 64, 4, 1, 16, torch.bfloat16)
     sinks = make_sinks("mixed", 4)
     got = run_cpu_op("attention_forward", batch, LONG, 0.125, window, None, sinks)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import numpy as np
 import torch
 from helpers.hybrid_batch import (
     Batch,
@@ -156,7 +157,7 @@ def test_cpu_ops_match_hf_and_ignore_out_of_window_blocks(window, block_size, he
     assert torch.equal(run_cpu_op(op, hybrid, REQS, scale, window, soft_cap), got)
 
 
-# chunks over cpu_attention.LONG_CHUNK rows (SDPA where SDPA_FOR_LONG_CHUNKS), with and without
+# chunks cpu_attention.goes_to_sdpa sends to SDPA where SDPA_FOR_LONG_CHUNKS, with and without
 # cached context
 LONG = [(1100, 1100), (1030, 1060), (1, 1200), (5, 90)]
 
@@ -166,10 +167,10 @@ LONG = [(1100, 1100), (1030, 1060), (1, 1200), (5, 90)]
 def test_cpu_forward_long_chunks_match_hf_and_ignore_out_of_window_blocks(window, soft_cap,
                                                                          monkeypatch):
     from aserve.kernels import cpu_attention
-    from aserve.kernels.cpu_attention import LONG_CHUNK
+    from aserve.kernels.cpu_attention import goes_to_sdpa
 
     monkeypatch.setattr(cpu_attention, "SDPA_FOR_LONG_CHUNKS", True)  # (as on AMX machines)
-    assert max(q for q, _ in LONG) > LONG_CHUNK
+    assert goes_to_sdpa(*np.array(LONG).T).any()
     batch = make_batch(LONG, 64, 4, 1, 16, torch.bfloat16,
                        q_scale=1.0 if soft_cap is None else 12.0)
     hybrid = hybridise(batch, window)
