@@ -117,8 +117,8 @@ def num_decoding(s: Scheduler) -> int:
 
 
 def num_pending_prefill(s: Scheduler) -> int:
-    """Prompt tokens not computed yet, all of them: the scheduler's own count (waiting
-    prompts' past their cached prefix, running prefills' rest)."""
+    """Prompt tokens pending, all of them: the scheduler's own count (the whole prompts of
+    running prefills and waiting requests, past their cached prefix)."""
     return s._pending_within(sys.maxsize)
 
 

@@ -176,11 +176,15 @@ class Scheduler(RemoteKVScheduling):
                                  self._pending_within, self.block_size)
 
     def _pending_within(self, limit: int) -> int:
-        """Prompt tokens not computed yet (running prefills' rest, waiting prompts' past
-        their cached prefix), counted up to `limit`."""
+        """Prompt tokens of the prompts not prefilled yet, counted up to `limit`: a running
+        prefill's whole prompt past its cached prefix (not only its rest: a prompt drained at
+        pending / steps a step then goes at one rate and ends within those steps, where its
+        rest / steps would shrink every step and never end), a waiting prompt's past its
+        cached prefix."""
         pending = 0
         for request in self.running:
-            pending += max(0, request.num_prompt_tokens - request.num_computed_tokens)
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                pending += request.num_prompt_tokens - max(0, request.num_cached_tokens)
         for request in self.waiting:
             if pending >= limit:
                 break

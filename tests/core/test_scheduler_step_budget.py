@@ -147,6 +147,19 @@ def test_prompts_pending_raise_the_mixed_step_cap_to_drain_them() -> None:
         assert prefill == 24 * 30 // drain_steps(streams) == drained
 
 
+def test_a_prompt_drains_at_one_rate_and_ends_within_the_drain_steps() -> None:
+    # 3 streams: 6 drain steps; a 96-token prompt goes 16 a step (target 4), all 6 steps,
+    # instead of a sixth of its rest each step (16, 13, 11, 9, ... never done in 6)
+    scheduler = make_scheduler(cost=FixedCap(40, mixed=4), budget=128)
+    runner = run(scheduler)
+    decode_streams(scheduler, runner, 3)
+    scheduler.add_request(make_request("late", prompt(300, 96), max_tokens=2))
+    chunks = [schedule_of(runner)["late"] for _ in range(drain_steps(3))]
+    assert chunks == [96 // drain_steps(3)] * drain_steps(3)
+    runner.run_until_done()
+    assert runner.streamed["late"] == [100 + 96 + i for i in range(2)]
+
+
 def test_a_cached_prefix_is_not_pending() -> None:
     shared = prompt(500, 48)
     for cached, expected in ((False, 60 // drain_steps(2)), (True, 12)):
