@@ -8,7 +8,9 @@ Two measures per row count:
 - "stream": one decode step's worth of GEMMs over ALL the model's weights (every layer's
   shapes, then the LM head), so weights come from memory as in a real step: ms per step and
   the weight bytes streamed per second.
-Ratios are oneDNN time / aserve time (above 1: aserve faster), measured in the same run.
+Ratios are oneDNN time / aserve time (above 1: aserve faster), measured in the same run. On a
+CPU with AMX, aserve's GEMM runs on AMX tiles; "aserve_vector" is the same GEMM kept on the
+vector tiles (`cpu_gemm.amx(False)`), and "amx_over_vector" their ratio.
 """
 
 from __future__ import annotations
@@ -53,9 +55,23 @@ def main() -> int:
     def f_linear(w):
         return lambda x: F.linear(x, w)
 
+    def aserve_vector(w):  # the vector tiles where aserve would take the AMX ones
+        packed = cpu_gemm.PackedWeight(w)
+
+        def linear(x):
+            cpu_gemm.amx(False)
+            try:
+                return packed.linear(x)
+            finally:
+                cpu_gemm.amx(True)
+        return linear
+
     kernels = {"aserve": aserve, "onednn": onednn, "f_linear": f_linear}  # weight -> fn(x)
+    amx = cpu_gemm.amx()
+    if amx:
+        kernels["aserve_vector"] = aserve_vector
     report: dict = {"benchmark": "gemm", "model": args.model, "threads": torch.get_num_threads(),
-                    "hot": {}, "stream": {}}
+                    "amx": amx, "hot": {}, "stream": {}}
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             for k, n in (*shapes.layer, shapes.head):
@@ -67,10 +83,13 @@ def main() -> int:
                     gflops[name] = round(2 * rows * k * n / best_time(lambda fn=fn, x=x: fn(x))
                                          / 1e9)
                 gflops["ratio"] = round(gflops["aserve"] / gflops["onednn"], 2)
+                if amx:
+                    gflops["amx_over_vector"] = round(gflops["aserve"] / gflops["aserve_vector"],
+                                                      2)
                 report["hot"][f"{rows}x{n}x{k}"] = gflops
         weight_bytes = 2 * (sum(k * n for k, n in shapes.layer) * shapes.num_layers
                             + shapes.head[0] * shapes.head[1])
-        for name in ("aserve", "onednn"):
+        for name in ("aserve", "onednn", *(("aserve_vector",) if amx else ())):
             layers = [[kernels[name](torch.randn(n, k, dtype=torch.bfloat16))
                        for k, n in shapes.layer] for _ in range(shapes.num_layers)]
             head = kernels[name](torch.randn(shapes.head[1], shapes.head[0], dtype=torch.bfloat16))
