@@ -104,8 +104,9 @@ def test_sp2_prompt_logprobs_equal_one_ranks(llama_dir):
     prompts = [list(range(40, 77)), list(range(300, 320)), list(range(100, 150))]
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
 
-    def run(**layout):
-        with LLM(llama_dir, dtype="float32", max_num_batched_tokens=32, **layout) as llm:
+    def run(**layout):  # no measured prefill cap: both runs chunk alike, 32 tokens a step
+        with LLM(llama_dir, dtype="float32", max_num_batched_tokens=32, max_prefill_step_ratio=0,
+                 **layout) as llm:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return ([o.outputs[0].token_ids for o in outputs],
                 [[None if d is None else {t: round(lp.logprob, 4) for t, lp in d.items()}
