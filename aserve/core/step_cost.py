@@ -144,11 +144,12 @@ def mixed_step_cap(cost: StepCostModel, ratio: float, cap: int, num_decoding: in
     """`cap` lowered to the target of the mixed-step `ratio` r: the prefill tokens that keep a
     step of D decodes within r times the decodes alone (`StepCostModel.mixed_step_tokens`),
     unless the prompt tokens pending (the whole prompts of running prefills and waiting
-    requests, past their cached prefix) need more to be prefilled within min(DRAIN_STEPS_PER_DECODE · D,
-    PREFILL_DRAIN_STEPS) steps. Every stream waits out a mixed step, so a prompt is spread
-    over more, shorter steps the more streams it would stall (a reader sees a long step as
-    stutter); a long prompt among few streams keeps `cap` (its TTFT), and prompts arriving
-    faster than the target admits them cannot queue (the decode batch would shrink)."""
+    requests, past their cached prefix) need more to be prefilled within
+    min(DRAIN_STEPS_PER_DECODE · D, PREFILL_DRAIN_STEPS) steps. Every stream waits out a
+    mixed step, so a prompt is spread over more, shorter steps the more streams it would
+    stall (a reader sees a long step as stutter); a long prompt among few streams keeps
+    `cap` (its TTFT), and prompts arriving faster than the target admits them cannot queue
+    (the decode batch would shrink)."""
     target = cost.mixed_step_tokens(ratio, num_decoding)
     if target is None or target >= cap:
         return cap

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from helpers.attention import dense_attention
 from helpers.hybrid_batch import (

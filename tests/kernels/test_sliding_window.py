@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import numpy as np
+import pytest
 import torch
 from helpers.hybrid_batch import (
     Batch,
