@@ -30,8 +30,9 @@ class LLM:
     Keyword arguments are `EngineArgs` fields: dtype, max_model_len, max_num_seqs,
     max_num_batched_tokens, block_size, enable_prefix_caching, kv_cache_memory, num_kv_blocks,
     seed, scheduling_policy, long_prefill_token_threshold, tokenizer, device, async_scheduling,
-    enforce_eager, tensor_parallel_size, sequence_parallel_size, kv_transfer_config (a KV
-    connector for disaggregated prefill: vLLM's keys, as a dict or its JSON text; a request's
+    enforce_eager, warmup (False: no dummy prompts before serving), tensor_parallel_size,
+    sequence_parallel_size, kv_transfer_config (a KV connector for disaggregated prefill:
+    vLLM's keys, as a dict or its JSON text; a request's
     `SamplingParams.kv_transfer_params` then reaches it, and the producer's answer comes back
     in `RequestOutput.kv_transfer_params`). With several ranks, `shutdown()` (or leaving a
     `with` block) stops them; they are also stopped when the interpreter exits.
