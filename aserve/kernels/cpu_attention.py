@@ -45,7 +45,7 @@ ROW_TILE = 8  # query rows of one request that share a task (and each K/V row re
 # 0.54 vs 0.87, 32 over 2,048 0.79 vs 0.93; but 32 over 512 0.26 vs 0.23 and 64 over 128 0.14 vs
 # 0.10). Without AMX the row-tile kernel is the faster one at every size, so it takes every
 # chunk (AVX-512-BF16 EPYC: 2,048 fresh rows 22 vs 48 ms; 2,048 rows over 8,192 keys 219 vs
-# 381 ms). BENCHMARKS.md, "Long-context prefill" and "AMX".
+# 381 ms). BENCHMARKS.md, "Long-context prefill" and "On a Xeon with AMX".
 SDPA_MIN_ROWS = 32
 SDPA_MIN_WORK = 32 * 1024
 SDPA_FOR_LONG_CHUNKS = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

@@ -15,7 +15,8 @@ results differ from `F.linear` in the last bf16 bit of some outputs.
 
 On CPUs with AMX (Intel Sapphire Rapids and later) the same panels go to the tile unit instead
 (`amx()`): 16 rows x 48 columns per tile product, at every row count, since it wins even at
-one row (BENCHMARKS.md, "AMX"). Its sums agree with the vector tiles' to float32 rounding.
+one row (BENCHMARKS.md, "On a Xeon with AMX"). Its results agree with the vector tiles' to
+one bf16 step, most of them bit for bit.
 
 Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
 lacks AVX512-BF16 (the caller then keeps oneDNN or `F.linear`).

@@ -200,8 +200,8 @@ static inline void vector_panel_rows(const Tile* tiles, const at::BFloat16* a, i
 #ifdef ASERVE_AMX
 // AMX (Sapphire Rapids and later): the same panels feed the tile unit. A B tile is 16 k-pairs x
 // 16 outputs x 2, which is one vector's slice of a panel (its rows 192 bytes apart), so the
-// packing is shared with the vector tiles. The sums agree with theirs to float32 rounding, not
-// bit for bit (the tile unit adds a row's products in its own order).
+// packing is shared with the vector tiles. The results agree with theirs to one bf16 step, most
+// of them bit for bit (the tile unit rounds its sums its own way).
 //
 //   tmm0-2: C, m rows x 16 float32 (the panel's 3 vectors)    tmm3: A, m rows x 32 bf16 of x
 //   tmm4-6: B, 16 k-pairs x 16 outputs x 2 (K in steps of 32)  (m: 16, or M when M < 16)
@@ -297,8 +297,8 @@ static inline void panel_rows_done() {
 #endif
 
 // Whether GEMMs over K go to the AMX tiles: wherever the CPU has them, at every row count (a
-// 2-core Xeon with AMX, smol's [1536, 576] weight: 14 us at 1 row against the vector tiles' 20,
-// 22 us at 16 rows against 103 at 12; BENCHMARKS.md, "AMX").
+// 2-core Xeon with AMX, smol's [1536, 576] weight: 16 us at 1 row against the vector tiles' 20,
+// 16 at 8 rows against 67; BENCHMARKS.md, "On a Xeon with AMX").
 static std::atomic<bool> amx_allowed{true};  // gemm_amx(0) turns the tiles off (tests, A/B)
 
 static inline bool use_amx(int64_t K) {
