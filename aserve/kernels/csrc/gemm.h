@@ -233,6 +233,23 @@ static inline void amx_configure(int m) {
   amx_rows = m;
 }
 
+// Tile loads wait on memory: a decode step's GEMMs (a few rows against every weight once)
+// streamed the weights at 0.77x the rate of a plain read. So the first group of rows fetches
+// its panel kAmxAhead k-steps ahead into L1 (a k-step: 16 k-pairs x 48 outputs, 48 lines), and
+// the second, which finds the panel in L2, fetches the same k-step of the next panel (the next
+// task's: panels are contiguous) into L2. Prefetches do not fault: past the last panel they
+// fetch nothing of use and harm nothing. smol's decode-step weights (huge pages), GB/s beside a
+// plain read's 15.8-18.6: 1 row 12.2 -> 16.3-17.8, 16 rows 11.5 -> 14-15, 32 rows 10.8 -> 12.4.
+constexpr int64_t kAmxAhead = 2;
+constexpr int64_t kAmxStep = 32 * kPanel;  // bf16 elements of a panel per k-step (32 k)
+
+template <int Hint>
+static inline void amx_prefetch(const at::BFloat16* b) {
+  const char* line = reinterpret_cast<const char*>(b);
+  ASERVE_UNROLL for (int i = 0; i < kVecs * 16; ++i)
+    _mm_prefetch(line + i * 64, static_cast<_mm_hint>(Hint));
+}
+
 // c[0:M, 0:cols] = a[0:M, :] @ one panel by AMX tiles of 16 rows (a last group of fewer is
 // computed as rows [M - 16, M), only its new rows stored), or one tile of M < 16 rows.
 template <int E>
@@ -250,6 +267,8 @@ static void amx_panel_rows(const at::BFloat16* a, int64_t M, int64_t K,
     _tile_zero(2);
     for (int64_t k = 0; k < K; k += 32) {
       const at::BFloat16* b = panel + k * kPanel;  // the panel's k-pair k / 2
+      if (m == 0) amx_prefetch<_MM_HINT_T0>(b + kAmxAhead * kAmxStep);
+      else if (m == 16) amx_prefetch<_MM_HINT_T1>(b + K * kPanel);  // the next panel's
       _tile_loadd(3, x + k, K * 2);
       _tile_loadd(4, b, kPanelRow);
       _tile_loadd(5, b + 32, kPanelRow);
