@@ -327,8 +327,7 @@ class Scheduler(RemoteKVScheduling):
             self._update_from_kv_output(runner_output.kv_connector_output)
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
-                                  runner_output.forward_seconds,
-                                  scheduler_output.num_decode_tokens)
+                                  runner_output.forward_seconds)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = self.requests.get(req_id)

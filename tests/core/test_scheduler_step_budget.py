@@ -21,13 +21,13 @@ class FixedCap:
 
     def __init__(self, cap: int | None, mixed: int | None = None) -> None:
         self.cap, self.mixed = cap, mixed
-        self.recorded: list[tuple[int, float, int]] = []
+        self.recorded: list[tuple[int, float]] = []
         self.asked: list[float] = []
         self.asked_mixed: list[tuple[float, int]] = []
         self.is_timed = True
 
-    def record(self, num_tokens: int, seconds: float, num_decode_tokens: int = 0) -> None:
-        self.recorded.append((num_tokens, seconds, num_decode_tokens))
+    def record(self, num_tokens: int, seconds: float) -> None:
+        self.recorded.append((num_tokens, seconds))
 
     def max_prefill_tokens(self, ratio: float) -> int | None:
         self.asked.append(ratio)
@@ -245,7 +245,7 @@ def test_the_scheduler_feeds_its_cost_model_each_step_composition() -> None:
     runner = run(scheduler, make_request("a", prompt(1, 6), max_tokens=3),
                  step_seconds=lambda p, d: 0.5 + p + 10 * d)
     runner.run_until_done()
-    assert cost.recorded == [(6, 6.5, 0), (1, 10.5, 1), (1, 10.5, 1)]  # (tokens, s, decodes)
+    assert cost.recorded == [(6, 6.5), (1, 10.5), (1, 10.5)]
 
 
 def step_seconds(num_prefill: int, num_decode: int) -> float:
@@ -278,9 +278,7 @@ def test_a_learnt_cost_bounds_every_mixed_step_and_outputs_are_unchanged() -> No
         capped, runner = run_staggered(1.0, async_scheduling)  # one fixed cost: 20 tokens
         assert max(uncapped) > 30
         assert capped[0] <= 48 // 2  # half the budget while the fit cannot tell
-        # then what one fixed cost buys, learnt as it goes (the first fit, of three steps,
-        # splits the cost between prompt tokens and decodes less exactly)
-        assert capped[1] <= 24 and max(capped[2:]) <= 21
+        assert max(capped[1:]) <= 21  # then what one fixed cost buys, learnt as it goes
         assert runner.streamed == free_runner.streamed
         assert set(runner.streamed) == {f"r{i}" for i in range(6)}
         for i in range(6):
