@@ -41,27 +41,36 @@ sys.path.insert(0, str(HERE))
 from common import emit, make_prompts, vocab_size_of  # noqa: E402
 
 
-def read_bandwidth(gib: float, repeats: int) -> dict:
-    """GB/s of a streaming read (sum over a float32 view) and of a bf16 copy, best of
-    `repeats`."""
+def read_bandwidth(gib: float, repeats: int, device: str = "cpu") -> dict:
+    """GB/s of a streaming read (sum over a float32 view) and of a copy (read + write), best of
+    `repeats`, on `device` (a GPU's HBM with device="cuda")."""
     import torch
 
+    gpu = device != "cpu"
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     n = int(gib * 2**30) // 4
-    x = torch.ones(n, dtype=torch.float32)
+    x = torch.ones(n, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
+    x.sum(), y.copy_(x)  # a first pass: kernel loads, page faults
     best_read = best_copy = float("inf")
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         x.sum()
+        sync()
         best_read = min(best_read, time.perf_counter() - t)
         t = time.perf_counter()
         y.copy_(x)
+        sync()
         best_copy = min(best_copy, time.perf_counter() - t)
     nbytes = x.numel() * 4
     result = {"read_gb_s": round(nbytes / best_read / 1e9, 2),
               "copy_gb_s": round(2 * nbytes / best_copy / 1e9, 2), "buffer_gib": gib,
-              "threads": torch.get_num_threads()}
+              "device": device, "threads": torch.get_num_threads()}
     del y
+    if gpu:
+        result["gb_s"] = result["read_gb_s"]
+        return result
     try:  # oneDNN's bf16 GEMV over the same bytes: at times faster than torch's sum here
         w = torch.ops.mkldnn._reorder_linear_weight(x.view(torch.bfloat16).view(-1, 4096), 64)
         v = torch.ones(1, 4096, dtype=torch.bfloat16)
@@ -98,7 +107,7 @@ def aserve_batch1(args: argparse.Namespace) -> dict:
     to last, over the tokens between; best of --repeats."""
     from aserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=1)
+    llm = LLM(args.model, dtype="bfloat16", max_num_seqs=1, device=args.device)
     prompt = {"prompt_token_ids": make_prompts(1, args.input_len, vocab_size_of(args.model))[0]}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
@@ -144,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--buffer-gib", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: the engine and the bandwidth "
+                                                   "on the GPU")
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.bandwidth_only:
-        print(json.dumps(read_bandwidth(args.buffer_gib, max(5, args.repeats))), flush=True)
+        print(json.dumps(read_bandwidth(args.buffer_gib, max(5, args.repeats), args.device)),
+              flush=True)
         return 0
     result = {"benchmark": "roofline", "model": args.model, "aserve": aserve_batch1(args)}
     engines = ["aserve"]
@@ -159,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     # 9.4 ms; llama-bench after it 12.2 against 9.9). The likely cause, not established: fewer
     # huge pages left for the packed weights.
     out = subprocess.run([sys.executable, __file__, "--model", args.model, "--bandwidth-only",
-                          "--buffer-gib", str(args.buffer_gib), "--repeats", str(args.repeats)],
+                          "--buffer-gib", str(args.buffer_gib), "--repeats", str(args.repeats),
+                          "--device", args.device],
                          capture_output=True, text=True, timeout=900, check=True)
     bandwidth = json.loads(out.stdout.strip().splitlines()[-1])
     weights = weight_bytes_per_token(args.model)

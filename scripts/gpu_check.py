@@ -38,9 +38,11 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
     graphs_vs_eager  50 / 180  same models, bfloat16, 24 requests of varied lengths: enforce_eager
                                vs captured decode graphs must give equal tokens; graph replays,
                                number of graphs, startup difference (capture time)
-    throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
-                               --quick) in a temp dir; benchmarks/throughput.py --compare-hf, then
-                               --no-async-scheduling; its JSON lines and the commands run
+    throughput      170 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
+                               --quick) in a temp dir; benchmarks/roofline.py --device (batch-1
+                               TPOT against the device's measured read bandwidth: weight bytes
+                               per token / GB/s), then benchmarks/throughput.py --compare-hf,
+                               then --no-async-scheduling; their JSON lines and the commands run
     tp               60 / 120  with `tensor_parallel_size` in EngineArgs and >= 2 GPUs (on CPU:
                                2 processes): TP=2 vs TP=1 float32 greedy equality and generate
                                time on a tiny llama; otherwise `skipped` with the reason
@@ -83,7 +85,7 @@ BUDGETS = {
     "fused_moe": (120, 240),
     "parity": (120, 300),
     "graphs_vs_eager": (50, 180),
-    "throughput": (140, 300),
+    "throughput": (170, 300),
     "tp": (60, 120),
 }
 PASSING = ("ok", "skipped")
@@ -711,6 +713,10 @@ def section_throughput(ctx: Context) -> None:
     n = ctx.throughput_n or n
     base = ["--model", str(model_dir), "--dtype", "bfloat16", "-n", str(n), "-i", str(i),
             "-o", str(o)]
+    batch1 = ctx.step("batch1_roofline", run_benchmark, ctx,
+                      ["--model", str(model_dir), "--device", ctx.device, "-i", "16", "-o",
+                       str(o), "--buffer-gib", "0.25" if ctx.quick else "4"], 100,
+                      "benchmarks/roofline.py")
     first = ctx.step("async_vs_hf", run_benchmark, ctx,
                      base + ["--compare-hf", "--hf-batch-size", str(hf_batch)], 45)
     second = ctx.step("sync", run_benchmark, ctx, base + ["--no-async-scheduling"], 0)
@@ -719,7 +725,10 @@ def section_throughput(ctx: Context) -> None:
             ("aserve tok/s", dig(first, "aserve", "output_tokens_per_s")),
             ("hf tok/s", dig(first, "hf", "output_tokens_per_s")),
             ("ratio_vs_hf", dig(first, "ratio_vs_hf")),
-            ("aserve sync tok/s", dig(second, "aserve", "output_tokens_per_s"))))
+            ("aserve sync tok/s", dig(second, "aserve", "output_tokens_per_s")),
+            ("batch-1 TPOT ms", dig(batch1, "aserve", "tpot_ms")),
+            ("roofline TPOT ms", dig(batch1, "roofline_tpot_ms")),
+            ("fraction of roofline", dig(batch1, "aserve", "fraction_of_roofline"))))
 
 
 def dig(value, *keys):
@@ -732,7 +741,7 @@ def build_bench_model(out: Path, shape: dict, device: str) -> dict:
     """A random-weight bf16 Llama (safetensors), a tokenizer and a generation config."""
     import torch
     import transformers
-    from hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
+    from helpers.hf_models import BOS_ID, EOS_ID, PAD_ID, build_tokenizer
 
     t0 = time.perf_counter()
     config = transformers.LlamaConfig(**shape, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -752,13 +761,14 @@ def build_bench_model(out: Path, shape: dict, device: str) -> dict:
             "build_s": round(time.perf_counter() - t0, 1)}
 
 
-def run_benchmark(ctx: Context, bench_args: list[str], reserve_s: float) -> dict:
-    """benchmarks/throughput.py with these arguments, leaving `reserve_s` of the budget."""
+def run_benchmark(ctx: Context, bench_args: list[str], reserve_s: float,
+                  script: str = "benchmarks/throughput.py") -> dict:
+    """`script` with these arguments, leaving `reserve_s` of the budget."""
     timeout = ctx.left() - reserve_s
     if timeout < 20:
-        ctx.fail(f"throughput.py {shlex.join(bench_args[4:])} not run: {timeout:.0f} s left")
+        ctx.fail(f"{script} {shlex.join(bench_args[2:])} not run: {timeout:.0f} s left")
         return {"skipped": f"only {timeout:.0f} s of the budget left"}
-    cmd = [sys.executable, "benchmarks/throughput.py", *bench_args]
+    cmd = [sys.executable, script, *bench_args]
     if "--compare-hf" in bench_args:
         cmd += ["--hf-device", ctx.device]
     log("$ " + shlex.join(cmd))
