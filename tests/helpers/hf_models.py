@@ -147,6 +147,11 @@ _ARCH_CONFIGS = {  # arch -> (transformers config class name, model class name)
 # gap ~0.5 (about 0.1% of positions under 1e-3), and greedy runs stay varied. Biases (zero in
 # HF's init) and norm weights (ones) are randomised too, so loading them is tested.
 INIT_STD = 0.3
+# The reference's attention: HF's eager one, always. Where transformers offers SDPA for a model
+# it may drop what SDPA cannot express: transformers 5.17 ran Gemma-2 through SDPA without its
+# attention soft-cap (seen on an H200: its greedy tokens were the uncapped model's), while 5.25
+# refuses SDPA for Gemma-2 and falls back to eager. Eager is the implementation every model has.
+HF_ATTENTION = "eager"
 TINY_CONFIG = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -293,11 +298,13 @@ def make_hf_model(out_dir: str | Path, arch: str = "llama", *, seed: int = 0,
 
 
 def load_hf_model(model_dir: str | Path, dtype=None):
-    """HF transformers' `AutoModelForCausalLM` for `model_dir`, in eval mode (float32 default)."""
+    """HF transformers' `AutoModelForCausalLM` for `model_dir`, in eval mode (float32 default),
+    with HF's eager attention (`HF_ATTENTION`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32,
+                                                attn_implementation=HF_ATTENTION).eval()
 
 
 def hf_greedy(model, prompts: list[list[int]], num_new: int, *, eos_token_id: int | None = None,

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from aserve import LLM, SamplingParams
-from helpers.hf_models import hf_greedy, load_hf_model
+from helpers.hf_models import HF_ATTENTION, hf_greedy, load_hf_model
 
 PROMPT_LENS = [20, 37, 60]
 NUM_NEW = 32
@@ -44,8 +44,8 @@ def hf_variant(model_dir: Path, **text_config):
     config = AutoConfig.from_pretrained(model_dir)
     for key, value in text_config.items():
         setattr(config.get_text_config(), key, value)
-    return AutoModelForCausalLM.from_pretrained(model_dir, config=config,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
+                                                attn_implementation=HF_ATTENTION).eval()
 
 
 def greedy(num_new: int = NUM_NEW, **extra) -> SamplingParams:
