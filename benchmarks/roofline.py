@@ -15,6 +15,9 @@ Prints one JSON line.
 - aserve: offline, one request, --output-len greedy tokens; TPOT from the engine's step log
   (first token's step to the last's, over the tokens between), the best of --repeats; and the
   model's own time per decode step;
+- with --profile N: one more request of N tokens under torch.profiler, the device's kernel time
+  and the host's op time per token and the ops that take the most (`--trace`: a Chrome trace);
+  on a GPU, kernel time against the TPOT is what the host adds to a step;
 - llama.cpp (with --gguf): `llama-bench -p 0 -n O -t cores -r 3` on the same model's GGUF: its
   t/s as TPOT.
 
@@ -128,8 +131,59 @@ def aserve_batch1(args: argparse.Namespace) -> dict:
                "num_steps": len(steps), "request_s": round(wall, 3)}
         if best is None or run["tpot_ms"] < best["tpot_ms"]:
             best = run
+    if args.profile:
+        llm.reset_prefix_cache()
+        best["profile"] = profile_decode(llm, prompt, args)
     core.shutdown()
     return best
+
+
+def profile_decode(llm, prompt: dict, args: argparse.Namespace) -> dict:
+    """One request of --profile tokens under torch.profiler: the device's kernel time and the
+    host's op time per token (every thread: the engine's and the worker's), and the ops that
+    take the most of each; a Chrome trace to --trace if given. On a GPU the kernel time against
+    the TPOT says how much of a step the host adds."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from aserve import SamplingParams
+
+    gpu = args.device != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    params = SamplingParams(temperature=0.0, max_tokens=args.profile, ignore_eos=True)
+    try:  # the ops run on the worker thread, not this one (torch >= 2.7 has the option)
+        config = {"experimental_config": torch._C._profiler._ExperimentalConfig(
+            profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        config = {}
+    with profile(activities=activities, **config) as prof:
+        t0 = time.perf_counter()
+        llm.generate([prompt], params)
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+
+    def per_token_ms(us: float) -> float:
+        return round(us / 1000 / args.profile, 4)
+
+    def top(key: str) -> list:
+        ranked = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:12]
+        return [[e.key, per_token_ms(getattr(e, key)), e.count] for e in ranked
+                if getattr(e, key) > 0]
+
+    result = {"tokens": args.profile, "all_threads": bool(config),
+              "wall_ms_per_token": round(1000 * wall / args.profile, 4),
+              "host_ops_ms_per_token": per_token_ms(sum(e.self_cpu_time_total for e in events)),
+              "top_host_ops_ms_per_token": top("self_cpu_time_total")}
+    if gpu:
+        result["device_kernels_ms_per_token"] = per_token_ms(
+            sum(e.self_device_time_total for e in events))
+        result["top_device_ops_ms_per_token"] = top("self_device_time_total")
+    if args.trace is not None:
+        prof.export_chrome_trace(str(args.trace))
+        result["trace"] = str(args.trace)
+    return result
 
 
 def llamacpp_batch1(args: argparse.Namespace) -> dict:
@@ -153,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--buffer-gib", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also profile one request of N tokens (torch.profiler): kernel and host "
+                        "time per token")
+    p.add_argument("--trace", type=Path, default=None, help="with --profile: a Chrome trace here")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: the engine and the bandwidth "
                                                    "on the GPU")
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)

@@ -45,8 +45,10 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
     throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
                                --quick) in a temp dir; benchmarks/roofline.py --device (batch-1
                                TPOT against the device's measured read bandwidth: weight bytes
-                               per token / GB/s), then benchmarks/throughput.py --compare-hf,
-                               then --no-async-scheduling; their JSON lines and the commands run
+                               per token / GB/s; 16 tokens under torch.profiler: kernel and host
+                               time per token, `decode_trace.json` beside the results), then
+                               benchmarks/throughput.py --compare-hf, then
+                               --no-async-scheduling; their JSON lines and the commands run
     tp               10 / 120  with `tensor_parallel_size` in EngineArgs and >= 2 GPUs (on CPU:
                                2 processes): TP=2 vs TP=1 float32 greedy equality and generate
                                time on a tiny llama; otherwise `skipped` with the reason
@@ -727,10 +729,12 @@ def section_throughput(ctx: Context) -> None:
     n = ctx.throughput_n or n
     base = ["--model", str(model_dir), "--dtype", "bfloat16", "-n", str(n), "-i", str(i),
             "-o", str(o)]
+    out = os.environ.get("OUT", "")  # a folder: the decode trace goes beside the results
+    trace = ["--trace", str(Path(out) / "decode_trace.json")] if Path(out).is_dir() else []
     batch1 = ctx.step("batch1_roofline", run_benchmark, ctx,
                       ["--model", str(model_dir), "--device", ctx.device, "-i", "16", "-o",
-                       str(o), "--buffer-gib", "0.25" if ctx.quick else "4"], 100,
-                      "benchmarks/roofline.py")
+                       str(o), "--buffer-gib", "0.25" if ctx.quick else "4", "--profile", "16",
+                       *trace], 100, "benchmarks/roofline.py")
     first = ctx.step("async_vs_hf", run_benchmark, ctx,
                      base + ["--compare-hf", "--hf-batch-size", str(hf_batch)], 45)
     second = ctx.step("sync", run_benchmark, ctx, base + ["--no-async-scheduling"], 0)
@@ -742,7 +746,8 @@ def section_throughput(ctx: Context) -> None:
             ("aserve sync tok/s", dig(second, "aserve", "output_tokens_per_s")),
             ("batch-1 TPOT ms", dig(batch1, "aserve", "tpot_ms")),
             ("roofline TPOT ms", dig(batch1, "roofline_tpot_ms")),
-            ("fraction of roofline", dig(batch1, "aserve", "fraction_of_roofline"))))
+            ("fraction of roofline", dig(batch1, "aserve", "fraction_of_roofline")),
+            ("kernels ms/token", dig(batch1, "aserve", "profile", "device_kernels_ms_per_token"))))
 
 
 def dig(value, *keys):
