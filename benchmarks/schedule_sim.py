@@ -122,32 +122,32 @@ def num_pending_prefill(s: Scheduler) -> int:
     return s._pending_within(sys.maxsize)
 
 
-def guarded(rule: Callable[[Scheduler, float, float, int], float]) -> Policy:
-    """A policy from `rule(s, a, b, num_decoding)`, with the scheduler's own edge cases: the
-    whole budget without a ratio, untimed steps or decodes; half of it while the fit cannot
-    tell; never under one block nor over the budget."""
+def guarded(rule: Callable[[Scheduler, float, int], float]) -> Policy:
+    """A policy from `rule(s, t, num_decoding)`, t = a / b (the fit's fixed cost in tokens,
+    the last good one: `StepCostModel.fixed_cost_tokens`), with the scheduler's own edge
+    cases: the whole budget without a ratio, untimed steps or decodes; half of it while the
+    fit cannot tell; never under one block nor over the budget."""
     def policy(s: Scheduler) -> int:
         budget = s.config.max_num_batched_tokens
         num_dec = num_decoding(s)
         if s.config.max_prefill_step_ratio <= 0 or not s.step_cost.is_timed or not num_dec:
             return budget
-        fit = s.step_cost.fit()
-        if fit is None or fit[0] <= 0 or fit[1] <= 0:
+        tokens = s.step_cost.fixed_cost_tokens()
+        if tokens is None:
             return budget // 2
-        return min(budget, max(int(rule(s, fit[0], fit[1], num_dec)), s.block_size))
+        return min(budget, max(int(rule(s, tokens, num_dec)), s.block_size))
     return policy
 
 
 def copy_policy(ratio: float = 4.0) -> Policy:
     """The default, copied: ratio · a / b."""
-    return guarded(lambda s, a, b, d: ratio * a / b)
+    return guarded(lambda s, t, d: ratio * t)
 
 
 def target_policy(k: float = 2.0, horizon: float = 16) -> Policy:
     """A mixed step ≤ k × the decode-only step of its D streams, a + b(D + P) ≤ k(a + bD),
     so P ≤ (k - 1)(a / b + D); at least the pending prefill over `horizon` steps."""
-    return guarded(lambda s, a, b, d: max((k - 1) * (a / b + d),
-                                          num_pending_prefill(s) / horizon))
+    return guarded(lambda s, t, d: max((k - 1) * (t + d), num_pending_prefill(s) / horizon))
 
 
 def arrival_policy(n: float = 4, safety: float = 3.0, window: float = 256,
@@ -157,7 +157,7 @@ def arrival_policy(n: float = 4, safety: float = 3.0, window: float = 256,
     steps; whole prompts: a prefix hit is not known on arrival)."""
     seen: set[str] = set()
     rate = [0.0]
-    inner = guarded(lambda s, a, b, d: max(ratio * a / b * min(1.0, n / d), safety * rate[0]))
+    inner = guarded(lambda s, t, d: max(ratio * t * min(1.0, n / d), safety * rate[0]))
 
     def policy(s: Scheduler) -> int:
         arrived = [r for r in s.waiting if r.request_id not in seen]
@@ -174,20 +174,20 @@ def streams_policy(k: float = 2.0, few: int = 0, horizon: float = 32, per: float
     over min(per · D, horizon) steps (per=0: over `horizon`; horizon=0: no floor), never
     above the default's cap. The defaults are the scheduler's method; few=8,per=0 the one
     before it (a prompt spread over 32 steps past 8 streams only)."""
-    def rule(s: Scheduler, a: float, b: float, d: int) -> float:
-        cap = ratio * a / b
+    def rule(s: Scheduler, t: float, d: int) -> float:
+        cap = ratio * t
         if d <= few:
             return cap
         steps = min(per * d, horizon) if per else horizon
         floor = num_pending_prefill(s) / steps if steps else 0.0
-        return min(cap, max((k - 1) * (a / b + d), floor))
+        return min(cap, max((k - 1) * (t + d), floor))
     return guarded(rule)
 
 
 def fixed_policy(c: float = 64, few: int = 8, ratio: float = 4.0) -> Policy:
     """`streams` with a fixed token cap c past `few` streams instead of the fitted target
     (a reference that does not lean on the fit)."""
-    return guarded(lambda s, a, b, d: ratio * a / b if d <= few else min(ratio * a / b, c))
+    return guarded(lambda s, t, d: ratio * t if d <= few else min(ratio * t, c))
 
 
 POLICIES: dict[str, Callable[..., Policy | None]] = {

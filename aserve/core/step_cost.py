@@ -41,6 +41,7 @@ class StepCostModel:
         self._is_first = True
         self._sizes = (0, 0)  # the fewest and most tokens of a recorded step
         self._outliers = 0  # left out in a row
+        self._fixed_cost_tokens: float | None = None  # a / b of the last fit with both > 0
 
     def record(self, num_tokens: int, seconds: float) -> None:
         """One step's scheduled tokens and seconds. The first step is left out: it pays the
@@ -64,6 +65,9 @@ class StepCostModel:
         self._wxx = d * self._wxx + x * x
         self._wt = d * self._wt + seconds
         self._wxt = d * self._wxt + x * seconds
+        a, b = self.fit()
+        if a > 0 and b > 0:
+            self._fixed_cost_tokens = a / b
 
     def _is_outlier(self, num_tokens: int, seconds: float) -> bool:
         """Over OUTLIER times the fit's cost for a size within those seen (beyond them the fit
@@ -93,24 +97,25 @@ class StepCostModel:
         chunk that large keeps the step within (1 + ratio) times the decodes alone, and runs at
         ratio / (1 + ratio) of the speed of a chunk as large as the budget allows, or better.
         None while that is unknown (`_fixed_cost_tokens`)."""
-        tokens = self._fixed_cost_tokens()
+        tokens = self.fixed_cost_tokens()
         return None if tokens is None else int(ratio * tokens)
 
     def mixed_step_tokens(self, ratio: float, num_decodes: int) -> int | None:
         """The prefill tokens that keep a step of `num_decodes` decodes within `ratio` times
         the decodes alone: a + b (D + P) <= ratio (a + b D), so P <= (ratio - 1)(a / b + D).
         None while that is unknown."""
-        tokens = self._fixed_cost_tokens()
+        tokens = self.fixed_cost_tokens()
         return None if tokens is None else int((ratio - 1) * (tokens + num_decodes))
 
-    def _fixed_cost_tokens(self) -> float | None:
-        """a / b, the tokens that cost one fixed cost; None while unknown (no steps of
-        different sizes yet, or a fit that makes either cost zero or less)."""
-        coefficients = self.fit()
-        if coefficients is None:
-            return None
-        a, b = coefficients
-        return a / b if a > 0 and b > 0 else None
+    def fixed_cost_tokens(self) -> float | None:
+        """a / b, the tokens that cost one fixed cost, from the last fit that made both costs
+        positive; None until one did (no steps of different sizes yet). A later fit that makes
+        either cost zero or less says nothing of it, so the last good value stands: that
+        happens when a token's cost grows with its context, e.g. a prompt's chunks over a long
+        cached prefix cost more per token than the steps before, and a line through them
+        crosses zero (measured: 512-token chunks over a 1k prefix, then 256-token ones while
+        the fit could not tell, stalled the first streams 200 ms a step; BENCHMARKS.md)."""
+        return self._fixed_cost_tokens
 
 
 def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding: int,

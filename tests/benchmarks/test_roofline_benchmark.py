@@ -1,6 +1,6 @@
 """benchmarks/roofline.py on the tiny llama (bf16), without llama.cpp: the bandwidth, the weight
 bytes a batch-1 step reads (checked against the checkpoint's own tensors), aserve's TPOT from
-its step log, and the fraction. Structure only: no timing thresholds."""
+its step log, the fraction, and a profiled request. Structure only: no timing thresholds."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def test_the_report(llama_dir, tmp_path):
     out = tmp_path / "o.json"
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--model", str(llama_dir),
-         "-o", "8", "--repeats", "1", "--buffer-gib", "0.25", "--out", str(out)],
+         "-o", "8", "--repeats", "1", "--buffer-gib", "0.25", "--out", str(out),
+         "--profile", "4", "--trace", str(tmp_path / "trace.json")],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -50,3 +51,12 @@ def test_the_report(llama_dir, tmp_path):
     assert aserve["fraction_of_roofline"] == pytest.approx(
         report["roofline_tpot_ms"] / aserve["tpot_ms"], abs=0.002)
     assert "llamacpp" not in report
+    # the profile sees the worker thread's ops (the model runs there, not on the caller's;
+    # torch < 2.7 profiles the calling thread only)
+    profile = aserve["profile"]
+    assert profile["tokens"] == 4
+    if profile["all_threads"]:
+        names = [name for name, _, _ in profile["top_host_ops_ms_per_token"]]
+        assert profile["host_ops_ms_per_token"] > 0 and any(n.startswith("aten::") for n in names)
+    assert "device_kernels_ms_per_token" not in profile  # CPU: no device
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

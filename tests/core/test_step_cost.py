@@ -41,6 +41,29 @@ def test_the_cost_is_unknown_before_steps_of_different_sizes() -> None:
     assert model.max_prefill_tokens(4.0) > 0
 
 
+def test_a_fit_that_crosses_zero_keeps_the_last_good_fixed_cost() -> None:
+    # The warm-up teaches two sizes; then a prompt over a long cached prefix comes in 512- and
+    # 256-token chunks that cost far more per token (attention over the prefix), so a line
+    # through the steps gives a fixed cost below zero: it says nothing of the fixed cost.
+    model = StepCostModel()
+    model.record(512, linear(512))  # the first step, left out
+    for num_tokens in (512, 258):
+        model.record(num_tokens, linear(num_tokens))
+    good = model.fixed_cost_tokens()
+    assert good == pytest.approx(0.015 / 0.00025, rel=0.01)
+    for num_tokens, seconds in ((512, 0.48), (512, 0.50), (512, 0.41), (258, 0.17), (258, 0.18)):
+        model.record(num_tokens, seconds)
+    a, b = model.fit()
+    assert a <= 0 < b  # the line now crosses zero ...
+    assert model.fixed_cost_tokens() == good  # ... and the last good value stands
+    assert model.max_prefill_tokens(4.0) == int(4 * good)
+    assert model.mixed_step_tokens(2.0, 6) == int(good + 6)
+    for _ in range(60):  # decodes: the fit makes both costs positive again, and is followed
+        model.record(8, 0.02)
+    a, b = model.fit()
+    assert a > 0 and b > 0 and model.fixed_cost_tokens() == pytest.approx(a / b)
+
+
 def test_old_steps_weigh_less_than_recent_ones() -> None:
     model = StepCostModel(decay=0.9)
     for i in range(100):
