@@ -96,7 +96,7 @@ class StepCostModel:
         """The prefill tokens that cost `ratio` times a step's fixed cost: beside decodes, a
         chunk that large keeps the step within (1 + ratio) times the decodes alone, and runs at
         ratio / (1 + ratio) of the speed of a chunk as large as the budget allows, or better.
-        None while that is unknown (`_fixed_cost_tokens`)."""
+        None while that is unknown (`fixed_cost_tokens`)."""
         tokens = self.fixed_cost_tokens()
         return None if tokens is None else int(ratio * tokens)
 
