@@ -11,7 +11,7 @@ import pytest
 from helpers.server import assert_error, serving, tiny_app
 
 from aserve.server import ServerConfig
-from aserve.server.protocol import (
+from aserve.server.fields import (
     MAX_CHAT_MESSAGES,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
@@ -22,6 +22,8 @@ from aserve.server.protocol import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID_DIGITS,
     MAX_TOTAL_CHOICES,
+)
+from aserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TokenizeRequest,
