@@ -79,13 +79,20 @@ FIGURES = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_p50_ms", "i
 
 class StepPoller:
     """Polls a server's /dashboard/stats in a thread; `steps` is the merged timeline of
-    (end time, prefill tokens, decode tokens, model seconds), oldest first."""
+    (end time, prefill tokens, decode tokens, model seconds), oldest first.
+
+    One client for all polls: `httpx.get` makes a client each call, and a client's TLS
+    context (the CA bundle read) costs ~20 ms of CPU. On a 2-core machine that stalled the
+    server's step once a poll (the step 2-3x its neighbours, a second apart), and those
+    stalls were the whole of prefix's ITL p99 (68 ms polled each second, 55 ms each five;
+    BENCHMARKS.md)."""
 
     def __init__(self, url: str, interval: float) -> None:
         self.url, self.interval = url + "/dashboard/stats", interval
         self.steps: list[tuple[float, int, int, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._client = httpx.Client(timeout=5)
 
     def __enter__(self) -> StepPoller:
         self._thread.start()
@@ -95,6 +102,7 @@ class StepPoller:
         self._stop.set()
         self._thread.join()
         self._poll()  # the last steps
+        self._client.close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -102,7 +110,7 @@ class StepPoller:
 
     def _poll(self) -> None:
         try:
-            stats = httpx.get(self.url, timeout=5).json()
+            stats = self._client.get(self.url).json()
         except (httpx.HTTPError, ValueError):
             return
         s, clock = stats["steps"], stats["clock_seconds"]

@@ -50,10 +50,19 @@ def configure_logging(level: str) -> StartupLogFilter:
 
 def bind(host: str, port: int) -> socket.socket:
     """Bind before the model loads, so that a busy port fails in a second, not after loading;
-    `serve_until_stopped` listens once the engine is ready (until then connections are refused)."""
+    `serve_until_stopped` listens once the engine is ready (until then connections are refused).
+
+    The socket is made with proto IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off
+    (TCP_NODELAY) only on accepted sockets whose proto says TCP, and the accepted ones take the
+    listener's. With Nagle on, a response's second write (a body after its headers, an SSE
+    event after the last) waited for the client's delayed ACK: every reply on a kept-alive
+    connection came 40 ms late (measured: `/v1/models` 44 ms on the second request, 1 ms on
+    the first). TCP_NODELAY is also set on the listener, which Linux passes on to accepted
+    sockets."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
