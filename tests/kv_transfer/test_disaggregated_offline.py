@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import socket
 import time
 
 import pytest
@@ -69,6 +70,11 @@ def decode(llm: LLM, prompts: list[list[int]], params: list[dict]) -> list[list[
 
 def num_prefill_tokens(llm: LLM) -> int:
     return sum(prefill for _, prefill, _, _ in llm.engine_core.step_log.snapshot())
+
+
+def worker_connector(llm: LLM):
+    """Rank 0's worker side of the LLM's KV connector (its sockets live there)."""
+    return llm.engine_core.executor.worker.runner.kv_connector
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +141,12 @@ def test_p2p_consumer_pulls_the_whole_prompt_and_the_producer_frees_it(llama):
         assert producer.wait_for_kv_transfers(timeout=30)
         assert producer.stats().kv_cache_usage == 0 and consumer.stats().kv_cache_usage == 0
         assert producer.stats().kv_transfer_bytes == stats.kv_transfer_bytes > 0
+        # both ends of the pull's connection with Nagle off (a consumer's ack, then its next
+        # pull, would otherwise wait out the producer's delayed ACK)
+        sockets = [peer.sock for peer in worker_connector(consumer)._peers.values()]
+        sockets += list(worker_connector(producer)._sockets)
+        assert len(sockets) == 2
+        assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
 
 def test_p2p_producer_frees_its_blocks_after_the_lease_when_nobody_pulls(llama):
