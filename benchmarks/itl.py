@@ -84,8 +84,7 @@ class StepPoller:
     One client for all polls: `httpx.get` makes a client each call, and a client's TLS
     context (the CA bundle read) costs ~20 ms of CPU. On a 2-core machine that stalled the
     server's step once a poll (the step 2-3x its neighbours, a second apart), and those
-    stalls were the whole of prefix's ITL p99 (68 ms polled each second, 55 ms each five;
-    BENCHMARKS.md)."""
+    stalls set prefix's ITL p99 (68 ms polled each second, 55 ms each five; BENCHMARKS.md)."""
 
     def __init__(self, url: str, interval: float) -> None:
         self.url, self.interval = url + "/dashboard/stats", interval

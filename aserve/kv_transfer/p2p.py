@@ -430,7 +430,7 @@ class _Peer:
         """Consumer rank `rank` (of KV cache key `kv_cache_key`) joins the producer rank
         listening on host:port: a hello, then their two-rank gloo group."""
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see below
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see _write
         sock.settimeout(transfer_timeout_s)
         stream = sock.makefile("rwb")
         try:
