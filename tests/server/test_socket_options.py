@@ -1,5 +1,5 @@
 """The server's sockets have Nagle's algorithm off: with it on, a reply's second write (a body
-after its headers, the next SSE event) waits for the client's delayed ACK, 40 ms on every reply
+after its headers) waits for the client's delayed ACK, 40 ms on every reply with a body
 of a kept-alive connection."""
 
 from __future__ import annotations
