@@ -19,10 +19,14 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
     # Prefill beside decodes costs at most this many times a step's fixed cost, by the
     # measured step cost (Scheduler): decodes keep flowing, prefill keeps its speed. 0: no cap.
-    max_prefill_step_ratio: float = 4.0
+    max_prefill_step_ratio: float = 2.0
     # With more than this many streams decoding, that cap shrinks by this / their number: every
     # stream waits out a step's prefill, so more streams get smaller chunks. 0: off.
     prefill_cap_decodes: int = 0
+    # With this many streams decoding or fewer (but some), prefill has the whole budget, as in
+    # a step without decodes: few streams stall, and a long prompt reaches its first token
+    # sooner (step_cost.prefill_token_cap). 0: off.
+    prefill_first_streams: int = 3
     # A step that carries prefill and decodes costs at most this many times its decodes
     # alone, unless the prompts pending need more to be prefilled in time: within 2 steps per
     # stream decoding, at most 32 (core/step_cost.py, mixed_step_cap). 0: off.
@@ -49,6 +53,9 @@ class SchedulerConfig:
         if self.max_mixed_step_ratio != 0 and self.max_mixed_step_ratio <= 1:
             raise ValueError("max_mixed_step_ratio must be above 1 (0: off), got "
                              f"{self.max_mixed_step_ratio}.")
+        if self.prefill_first_streams < 0:
+            raise ValueError("prefill_first_streams must be >= 0 (0: off), got "
+                             f"{self.prefill_first_streams}.")
         if self.prefill_cap_decodes < 0:
             raise ValueError("prefill_cap_decodes must be >= 0 (0: off), got "
                              f"{self.prefill_cap_decodes}.")

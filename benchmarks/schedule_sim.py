@@ -20,11 +20,12 @@ A step costs, in seconds (then times exp(N(0, noise)), seeded):
 and the clock advances by that plus `overhead` (the engine's time between forwards, which the
 runner does not report; 3 ms in the 2026-12-01 step log). Defaults: smol (SmolLM-135M, bf16)
 on the 2-core CPU. The scheduler runs as the server does on CPU (512-token budget, block size
-16, ratio 4, FCFS) but with synchronous steps (async scheduling off): a token reaches the
-client when the step that sampled it ends, and a request sent after step N ends is seen by
-the scheduler at step N + 1 + `delay_steps` (2: the server's async scheduling has N + 1
-scheduled already, and the request's round trip misses N + 2, as its step log shows), at once
-when the scheduler is idle. The client sends its first prompt for two tokens (the readiness
+16, FCFS) with the knobs this simulator was written for (ratio 4, `prefill_first_streams` 0:
+the defaults before 2026-12-05), and with synchronous steps (async scheduling off): a token
+reaches the client when the step that sampled it ends, and a request sent after step N ends
+is seen by the scheduler at step N + 1 + `delay_steps` (2: the server's async scheduling has
+N + 1 scheduled already, and the request's round trip misses N + 2, as its step log shows),
+at once when the scheduler is idle. The client sends its first prompt for two tokens (the readiness
 check the step log shows) and then keeps C requests in flight, sending the next prompt the
 moment a request's last token arrives; the figures are vLLM's client's (output tok/s over
 first send to last token; TTFT; TPOT per request; ITL: every gap, pooled).
@@ -230,7 +231,8 @@ def make_scheduler(spec: str, num_blocks: int = 8192) -> Scheduler:
     name, knobs = parse_policy(spec)
     config = SchedulerConfig(
         max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
-        long_prefill_token_threshold=0, max_prefill_step_ratio=4.0, async_scheduling=False,
+        long_prefill_token_threshold=0, max_prefill_step_ratio=4.0, prefill_first_streams=0,
+        async_scheduling=False,
         prefill_cap_decodes=int(knobs.get("n", 4)) if name == "decodes" else 0,
         max_mixed_step_ratio=knobs.get("k", 2.0) if name == "default" else 0.0)
     scheduler = Scheduler(config, CacheConfig(block_size=16, num_blocks=num_blocks,

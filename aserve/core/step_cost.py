@@ -130,7 +130,8 @@ def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding
     the prompt tokens pending, counted up to limit). A runner that reports no step times gets
     no cap."""
     budget, ratio = config.max_num_batched_tokens, config.max_prefill_step_ratio
-    if ratio <= 0 or not cost.is_timed or not num_decoding:
+    if (ratio <= 0 or not cost.is_timed or not num_decoding
+            or num_decoding <= config.prefill_first_streams):
         return budget
     streams = config.prefill_cap_decodes
     if streams and num_decoding > streams:

@@ -30,8 +30,9 @@ class EngineArgs:
     # Token budget of one step; None: the platform's (CPU 512, GPUs 4096), once it is known.
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
-    max_prefill_step_ratio: float = 4.0
+    max_prefill_step_ratio: float = 2.0
     prefill_cap_decodes: int = 0
+    prefill_first_streams: int = 3
     max_mixed_step_ratio: float = 2.0
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = True
@@ -159,6 +160,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_prefill_step_ratio=self.max_prefill_step_ratio,
             prefill_cap_decodes=self.prefill_cap_decodes,
+            prefill_first_streams=self.prefill_first_streams,
             max_mixed_step_ratio=self.max_mixed_step_ratio,
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,

@@ -65,6 +65,8 @@ ENGINE_HELP = {
                               "costs this many times a step's fixed cost, measured (0: no cap)",
     "prefill_cap_decodes": "with more than N streams decoding in a step, scale that cap by "
                            "N / streams (lower ITL tails, slower admission; 0: off)",
+    "prefill_first_streams": "with N streams decoding or fewer, prefill chunks get the whole "
+                             "step budget (sooner first tokens, longer stalls; 0: off)",
     "max_mixed_step_ratio": "a step that carries prefill and decodes costs at most this many "
                             "times its decodes alone, measured, unless the prompts pending need "
                             "more to be prefilled within 2 steps a stream (0: off)",

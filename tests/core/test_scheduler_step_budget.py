@@ -39,11 +39,13 @@ class FixedCap:
 
 
 def make_scheduler(*, ratio: float = 2.0, budget: int = 64, async_scheduling: bool = False,
-                   cost=None, cap_decodes: int = 0, mixed: float = 2.0) -> Scheduler:
+                   cost=None, cap_decodes: int = 0, mixed: float = 2.0,
+                   first_streams: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=128,
                         max_prefill_step_ratio=ratio, async_scheduling=async_scheduling,
-                        prefill_cap_decodes=cap_decodes, max_mixed_step_ratio=mixed),
+                        prefill_cap_decodes=cap_decodes, max_mixed_step_ratio=mixed,
+                        prefill_first_streams=first_streams),
         CacheConfig(block_size=BS, num_blocks=129))
     if cost is not None:
         scheduler.step_cost = cost
