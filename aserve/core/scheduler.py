@@ -13,8 +13,8 @@ A step that carries decodes keeps them flowing: its prefill tokens are capped at
 `max_prefill_step_ratio` times a step's fixed cost, by a cost model fitted to the steps that
 ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds); with many
 streams decoding, also at what keeps the step within `max_mixed_step_ratio` times those decodes
-alone, unless the prompts pending need more. A step without decodes has the whole budget for
-prefill.
+alone, unless the prompts pending need more. A step without decodes, or with at most
+`prefill_first_streams` streams decoding, has the whole budget for prefill.
 
 Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
 for every group at once, so a request is admitted, grown or preempted as a whole, and block
@@ -170,7 +170,7 @@ class Scheduler(RemoteKVScheduling):
 
     def _max_prefill_tokens(self) -> int:
         """Prefill tokens this step may carry (`step_cost.prefill_token_cap`: the whole
-        budget without decodes, else what the measured step cost allows)."""
+        budget without decodes or with few, else what the measured step cost allows)."""
         num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         return prefill_token_cap(self.config, self.step_cost, num_decoding,
                                  self._pending_within, self.block_size)

@@ -120,10 +120,12 @@ class StepCostModel:
 
 def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding: int,
                       pending_within: Callable[[int], int], block_size: int) -> int:
-    """Prefill tokens a step may carry: the whole budget, unless it carries decodes
-    (`num_decoding` streams); then what `max_prefill_step_ratio` times a step's fixed cost
-    buys (never under one block, so that prompts move on), or half the budget while the cost
-    model cannot tell it yet (a step of another size than the full ones before teaches it).
+    """Prefill tokens a step may carry: the whole budget, unless it carries more decodes
+    (`num_decoding` streams) than `prefill_first_streams` (few streams stall, and a long
+    prompt among them reaches its first token sooner); then what `max_prefill_step_ratio`
+    times a step's fixed cost buys (never under one block, so that prompts move on), or half
+    the budget while the cost model cannot tell it yet (a step of another size than the full
+    ones before teaches it).
     With `prefill_cap_decodes` N and more than N streams decoding, the ratio is scaled by
     N / streams. With `max_mixed_step_ratio`, the step is also held to that ratio of its
     decodes alone while the prompts pending allow (`mixed_step_cap`; `pending_within(limit)`:

@@ -1,8 +1,9 @@
 """The prefill budget: a step that carries decodes takes at most the prefill tokens that cost
 `max_prefill_step_ratio` times a step's fixed cost, by the step cost model; a step without
-decodes keeps the whole token budget. Driven through `FakeRunner` (which checks the K/V
-every request reads), with a stub cost model where a test fixes the cap, and the real one fed
-by a synthetic step duration where it learns it."""
+decodes, or with at most `prefill_first_streams` streams decoding, keeps the whole token
+budget. Driven through `FakeRunner` (which checks the K/V every request reads), with a stub
+cost model where a test fixes the cap, and the real one fed by a synthetic step duration
+where it learns it."""
 
 from __future__ import annotations
 
@@ -188,6 +189,32 @@ def test_a_long_prompt_among_few_streams_or_a_ratio_of_0_keep_the_fixed_cost_cap
         scheduler.add_request(make_request("late", prompt(200, length), max_tokens=3))
         assert schedule_of(runner)["late"] == 40  # 100 over 2 steps: above the fixed cap
         assert (cost.asked_mixed == []) == (mixed == 0)
+
+
+def test_up_to_prefill_first_streams_decoding_prefill_has_the_whole_budget() -> None:
+    # budget 64: with N streams or fewer decoding, a prompt's chunk is what the decodes leave;
+    # with more (or N = 0), the caps as before: the fixed-cost one (40), lowered by the
+    # mixed-step one (target 12) to the 100 tokens' drain rate over 2 steps a stream
+    for first, streams, expected in ((3, 1, 63), (3, 3, 61), (3, 4, 100 // drain_steps(4)),
+                                     (0, 1, 40), (1, 2, 100 // drain_steps(2))):
+        cost = FixedCap(40, mixed=12)
+        scheduler = make_scheduler(cost=cost, first_streams=first)
+        runner = run(scheduler)
+        decode_streams(scheduler, runner, streams)
+        scheduler.add_request(make_request("late", prompt(200, 100), max_tokens=3))
+        step = schedule_of(runner)
+        assert step.pop("late") == expected, (first, streams)
+        assert step == {f"s{i}": 1 for i in range(streams)}  # the decodes all run
+        assert (cost.asked == []) == (streams <= first)  # the cost model is not consulted
+        runner.run_until_done()
+        assert runner.streamed["late"] == [100 + 100 + i for i in range(3)]
+
+
+def test_prefill_first_streams_must_not_be_negative() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="prefill_first_streams"):
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, prefill_first_streams=-1)
 
 
 def test_max_mixed_step_ratio_is_above_1_or_0() -> None:
