@@ -8,6 +8,7 @@ layers, final norm, its stage's share) and subclasses `CausalLM` once.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import ClassVar
 
@@ -35,7 +36,8 @@ class DecoderStack(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
-        for layer in self.layers[self.owned.start:self.owned.stop]:
+        # islice: slicing a ModuleList builds a new one each step (~0.1 ms a decode step)
+        for layer in itertools.islice(self.layers, self.owned.start, self.owned.stop):
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if not self.is_last:
             return hidden, residual
