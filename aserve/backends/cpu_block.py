@@ -68,12 +68,55 @@ class CpuDecoderBlock:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(hidden, residual) after the layer, as its modules compute them; None where this
         step has a chunk for SDPA (the layer then runs its modules)."""
-        plan = RowPlan.of(metadata)
-        if (plan.long_reqs or positions.dtype != torch.int64 or hidden.dtype != torch.bfloat16
-                or not hidden.is_contiguous()):
+        plan = _step_plan(positions, hidden, metadata)
+        if plan is None:
             return None
         out, residual = self.module.decoder_layer(
             hidden, _NONE if residual is None else residual, positions, self.weights,
             [plan.block_table, plan.tiles, plan.slot_mapping], self.sizes + [plan.starts[-1]],
             self.eps, self.scale, self.soft_cap)
         return out, residual
+
+
+class CpuDecoderStack:
+    """Consecutive layers' blocks bound once in C++ (`DecoderStack` in
+    `kernels/csrc/decoder_layer.h`): a step runs every layer in one call, without the Python
+    and argument conversion between layers (0.2-0.6 ms a decode step of smol's 30 layers,
+    `benchmarks/decoder_stack.py`).
+    The layers share one KV cache group (one plan a step); each keeps its own weights, cache,
+    window, eps, scale and soft-cap."""
+
+    def __init__(self, blocks: list[CpuDecoderBlock]) -> None:
+        self.stack = blocks[0].module.DecoderStack(
+            [b.weights for b in blocks], [b.sizes for b in blocks], [b.eps for b in blocks],
+            [b.scale for b in blocks], [b.soft_cap for b in blocks])
+
+    @classmethod
+    def of(cls, blocks: list) -> CpuDecoderStack | None:
+        """The stack of these layers' fast paths, or None where any is not a CpuDecoderBlock."""
+        if not blocks or not all(isinstance(b, CpuDecoderBlock) for b in blocks):
+            return None
+        return cls(blocks)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None, metadata
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, residual) after every layer, as the layers' blocks compute them one by
+        one; None where this step has a chunk for SDPA (the layers then run one by one)."""
+        plan = _step_plan(positions, hidden, metadata)
+        if plan is None:
+            return None
+        out, residual = self.stack.forward(
+            hidden, _NONE if residual is None else residual, positions,
+            [plan.block_table, plan.tiles, plan.slot_mapping], plan.starts[-1])
+        return out, residual
+
+
+def _step_plan(positions: torch.Tensor, hidden: torch.Tensor, metadata) -> RowPlan | None:
+    """The step's row plan, or None where the C++ layer does not take this step: a chunk long
+    enough for SDPA, or inputs not as it reads them."""
+    plan = RowPlan.of(metadata)
+    if (plan.long_reqs or positions.dtype != torch.int64 or hidden.dtype != torch.bfloat16
+            or not hidden.is_contiguous()):
+        return None
+    return plan

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from aserve.backends.cpu_block import CpuDecoderBlock
+from aserve.backends.cpu_block import CpuDecoderBlock, CpuDecoderStack
 from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps, PackedLinear, fused_moe_ref_fn
 from aserve.kernels import cpu_elementwise, cpu_extension, cpu_gemm
 from aserve.kernels.cpu_attention import cpu_attention_forward
@@ -54,7 +54,7 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
     return KernelOps("cpu-bf16", **attention, rms_norm=rms_norm, rope=rope,
                      silu_and_mul=silu_and_mul, gelu_tanh_and_mul=gelu_tanh_and_mul,
                      pack_linears=_pack_linears,
-                     decoder_layer=CpuDecoderBlock.of,
+                     decoder_layer=CpuDecoderBlock.of, decoder_stack=CpuDecoderStack.of,
                      fused_moe=fused_moe if cpu_gemm.available() else fused_moe_ref_fn)
 
 

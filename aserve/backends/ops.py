@@ -39,6 +39,9 @@ Each op has one calling convention whatever implements it:
     decoder_layer(DecoderLayerWeights) -> DecoderLayerFn | None
                     optional: a whole pre-norm decoder layer as one call, where the platform
                     has one for these weights (None: module by module)
+    decoder_stack([DecoderLayerFn, ...]) -> DecoderLayerFn | None
+                    optional: consecutive layers' `decoder_layer` results (one KV cache
+                    group) as one call, same signature as one layer's (None: layer by layer)
     select_experts(router_logits, top_k, *, scoring, renormalize, weights_dtype)
                     -> (weights [T, k] float32, ids [T, k]): a MoE router's choice
     fused_moe(ExpertWeights) -> FusedMoEFn
@@ -197,6 +200,7 @@ class KernelOps:
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None
+    decoder_stack: Callable[[Sequence[DecoderLayerFn]], DecoderLayerFn | None] | None = None
     select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]] = select_experts
     fused_moe: Callable[[ExpertWeights], FusedMoEFn] = fused_moe_ref_fn
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from aserve.backends.ops import DecoderLayerFn
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.embedding import LMHead
 from aserve.models.arch_config import ModelArchConfig
@@ -36,13 +37,42 @@ class DecoderStack(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
-        # islice: slicing a ModuleList builds a new one each step (~0.1 ms a decode step)
-        for layer in itertools.islice(self.layers, self.owned.start, self.owned.stop):
+        layers = itertools.islice(self.layers, self.owned.start, self.owned.stop)
+        fast = self._fast_stack()
+        if fast is not None:
+            stack, group = fast
+            out = stack(positions, hidden, residual, attn_metadata.for_group(group))
+            if out is not None:
+                (hidden, residual), layers = out, ()
+        for layer in layers:
             hidden, residual = layer(positions, hidden, residual, attn_metadata)
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, hidden]
+
+
+    def _fast_stack(self) -> tuple[DecoderLayerFn, int] | None:
+        """This stage's layers as one call (`ops.decoder_stack`) and their KV cache group, where
+        every layer has a whole-layer fast path (`_fast_path`) in one group and the platform
+        stacks them; None otherwise. Rebuilt when the first layer's fast path is (its KV
+        cache rebound: every layer's is rebound with it)."""
+        first = self.layers[self.owned.start]
+        head = first._fast_path() if hasattr(first, "_fast_path") else None
+        if head is None:
+            return None
+        cached = getattr(self, "_stack_cache", None)
+        if cached is None or cached[0] is not head:
+            layers = list(itertools.islice(self.layers, self.owned.start, self.owned.stop))
+            blocks = [layer._fast_path() if hasattr(layer, "_fast_path") else None
+                      for layer in layers]
+            groups = {layer.self_attn.attn.kv_group for layer in layers}
+            make = first.ops.decoder_stack
+            stack = (make(blocks) if make is not None and len(groups) == 1
+                     and None not in blocks else None)
+            cached = (head, None if stack is None else (stack, groups.pop()))
+            self._stack_cache = cached
+        return cached[1]
 
 
 class CausalLM(nn.Module):

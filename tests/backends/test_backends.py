@@ -432,7 +432,7 @@ def test_every_cpu_rank_runs_on_the_cpu_device(local_rank):
 
 def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
     from aserve.backends import cpu_ops
-    from aserve.backends.cpu_block import CpuDecoderBlock
+    from aserve.backends.cpu_block import CpuDecoderBlock, CpuDecoderStack
     from aserve.backends.ops import REF_OPS, fused_moe_ref_fn
     from aserve.kernels import cpu_elementwise, cpu_gemm
     from aserve.kernels.cpu_attention import cpu_attention_forward
@@ -446,12 +446,14 @@ def test_cpu_kernel_selection_by_dtype(cpu_elementwise_kernels):
                "gelu_tanh_and_mul"):
         assert getattr(fp32, op) is getattr(REF_OPS, op), op
     assert fp32.attention_forward is None and fp32.pack_linears is None
-    assert fp32.decoder_layer is None and fp32.argmax is cpu_elementwise.argmax
+    assert fp32.decoder_layer is None and fp32.decoder_stack is None
+    assert fp32.argmax is cpu_elementwise.argmax
     # bfloat16: the C++ kernels, packed GEMMs, the whole layer as one call
     assert (bf16.rms_norm, bf16.rope, bf16.silu_and_mul, bf16.gelu_tanh_and_mul) == (
         cpu_ops.rms_norm, cpu_ops.rope, cpu_ops.silu_and_mul, cpu_ops.gelu_tanh_and_mul)
     assert bf16.attention_forward is cpu_attention_forward
     assert bf16.pack_linears is not None and bf16.decoder_layer == CpuDecoderBlock.of
+    assert bf16.decoder_stack == CpuDecoderStack.of
     # float16: C++ decode attention, references for the rest
     assert fp16.paged_attention is paged_attention_cpu
     assert fp16.attention_forward is cpu_attention_forward

@@ -43,4 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(gemm_linear);
   ASERVE_DEF(decoder_layer);
   ASERVE_DEF(fused_moe);
+  // A class, so its method cannot go through wrap_pybind_function_no_gil: the GIL is released
+  // the same way, and a TORCH_CHECK failure reaches Python as a RuntimeError.
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
+                    std::vector<double>, std::vector<double>, std::vector<double>>())
+      .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
 }
