@@ -51,26 +51,25 @@ class DecoderStack(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden  # [T, hidden]
 
-
     def _fast_stack(self) -> tuple[DecoderLayerFn, int] | None:
         """This stage's layers as one call (`ops.decoder_stack`) and their KV cache group, where
-        every layer has a whole-layer fast path (`_fast_path`) in one group and the platform
-        stacks them; None otherwise. Rebuilt when the first layer's fast path is (its KV
+        every layer has a whole-layer call (a layer's `fast_path()`) in one group and the
+        platform stacks them; None otherwise. Rebuilt when the first layer's call is (its KV
         cache rebound: every layer's is rebound with it)."""
         first = self.layers[self.owned.start]
-        head = first._fast_path() if hasattr(first, "_fast_path") else None
+        head = first.fast_path() if hasattr(first, "fast_path") else None
         if head is None:
             return None
         cached = getattr(self, "_stack_cache", None)
         if cached is None or cached[0] is not head:
-            layers = list(itertools.islice(self.layers, self.owned.start, self.owned.stop))
-            blocks = [layer._fast_path() if hasattr(layer, "_fast_path") else None
-                      for layer in layers]
-            groups = {layer.self_attn.attn.kv_group for layer in layers}
+            layers = itertools.islice(self.layers, self.owned.start, self.owned.stop)
+            paths = [layer.fast_path() if hasattr(layer, "fast_path") else None
+                     for layer in layers]
             make = first.ops.decoder_stack
-            stack = (make(blocks) if make is not None and len(groups) == 1
-                     and None not in blocks else None)
-            cached = (head, None if stack is None else (stack, groups.pop()))
+            stack = None
+            if make is not None and None not in paths and len({g for _, g in paths}) == 1:
+                stack = make([fn for fn, _ in paths])
+            cached = (head, None if stack is None else (stack, head[1]))
             self._stack_cache = cached
         return cached[1]
 

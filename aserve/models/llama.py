@@ -126,8 +126,8 @@ class LlamaDecoderLayer(OpsLayer):
         self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # (the KV cache it was made for, the fast path or None)
-        self._fast: tuple[torch.Tensor, DecoderLayerFn | None] | None = None
+        # (the KV cache it was made for, fast_path()'s answer)
+        self._fast: tuple[torch.Tensor, tuple[DecoderLayerFn, int] | None] | None = None
 
     def layer_weights(self) -> DecoderLayerWeights:
         """This layer's tensors for `ops.decoder_layer` (its KV cache bound)."""
@@ -151,23 +151,27 @@ class LlamaDecoderLayer(OpsLayer):
             scale=attn.scale, sliding_window=attn.sliding_window, soft_cap=attn.soft_cap,
             tp_size=qkv.tp_size)
 
-    def _fast_path(self) -> DecoderLayerFn | None:
+    def fast_path(self) -> tuple[DecoderLayerFn, int] | None:
+        """The whole layer as one call (`ops.decoder_layer`) and its KV cache group, or None
+        where the bound ops have none for this layer; made once per KV cache bound.
+        `DecoderStack` stacks its layers' (`ops.decoder_stack`)."""
         kv_cache = self.self_attn.attn.kv_cache
         if (self.ops.decoder_layer is None or kv_cache is None
                 or not isinstance(self.mlp, LlamaMLP) or self.self_attn.sinks is not None
                 or self.self_attn.attn.exchanges_heads):
             return None
         if self._fast is None or self._fast[0] is not kv_cache:
-            self._fast = (kv_cache, self.ops.decoder_layer(self.layer_weights()))
+            fn = self.ops.decoder_layer(self.layer_weights())
+            self._fast = (kv_cache, None if fn is None else (fn, self.self_attn.attn.kv_group))
         return self._fast[1]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        fast = self._fast_path()
+        fast = self.fast_path()
         if fast is not None:
-            out = fast(positions, hidden, residual,
-                       attn_metadata.for_group(self.self_attn.attn.kv_group))
+            fn, group = fast
+            out = fn(positions, hidden, residual, attn_metadata.for_group(group))
             if out is not None:
                 return out
         if residual is None:
