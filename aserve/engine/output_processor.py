@@ -51,6 +51,7 @@ class ChildState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0
+    prompt_logprobs: PromptLogprobs = field(default_factory=list)  # until the prompt's whole
 
 
 class OutputProcessor:
@@ -118,7 +119,7 @@ class OutputProcessor:
     def _process_one(self, child: ChildState, output: EngineCoreOutput) -> str | None:
         parent = child.parent
         if output.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
-            parent.prompt_logprobs.extend(self._logprob_dicts(output.new_prompt_logprobs))
+            self._add_prompt_logprobs(child, output.new_prompt_logprobs)
         parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
         if output.kv_transfer_params is not None:
             parent.kv_transfer_params = output.kv_transfer_params
@@ -145,6 +146,18 @@ class OutputProcessor:
             stop_reason=stop_reason,
         )
         return stop_str
+
+    def _add_prompt_logprobs(self, child: ChildState, lists: LogprobsLists) -> None:
+        """Each of `n` children computes the prompt's logprobs (in chunks); the parent takes
+        the first child's whole set, so they are complete before any child's first token and
+        never counted n times."""
+        parent = child.parent
+        if len(parent.prompt_logprobs) == len(parent.prompt_token_ids):
+            return  # complete already (from this child or a sibling)
+        child.prompt_logprobs.extend(self._logprob_dicts(lists))
+        if 1 + len(child.prompt_logprobs) == len(parent.prompt_token_ids):
+            parent.prompt_logprobs.extend(child.prompt_logprobs)
+            child.prompt_logprobs = []
 
     def _logprob_dicts(self, lists: LogprobsLists) -> list[dict[int, Logprob]]:
         entries = []

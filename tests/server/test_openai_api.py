@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -114,3 +116,40 @@ def test_metrics_expose_vllm_style_names(server_url, client):
                  "aserve:e2e_request_latency_seconds_bucket"):
         assert name in text, name
     assert 'model_name="tiny"' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_and_n_gives_every_choice_the_prompt_once(server_url, stream):
+    """`echo` + `logprobs` + `n` > 1 was a 500: each child's prompt logprobs were appended to
+    the parent's list, so it held the prompt n times."""
+    body = {"model": "tiny", "prompt": ["Hello there", "Bye"], "max_tokens": 3, "n": 3,
+            "echo": True, "logprobs": 1, "temperature": 1.0, "seed": 5, "stream": stream}
+    single = httpx.post(f"{server_url}/v1/completions", timeout=60,
+                        json={**body, "prompt": "Hello there", "n": 1, "stream": False,
+                              "max_tokens": 1}).json()["choices"][0]["logprobs"]
+    response = httpx.post(f"{server_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        assert not any("error" in c for c in chunks), chunks
+        merged: dict[int, dict] = {}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                lp = merged.setdefault(choice["index"], {"tokens": [], "token_logprobs": []})
+                lp["tokens"] += choice["logprobs"]["tokens"]
+                lp["token_logprobs"] += choice["logprobs"]["token_logprobs"]
+        choices = [{"index": i, "logprobs": lp} for i, lp in merged.items()]
+    else:
+        choices = response.json()["choices"]
+    assert sorted(c["index"] for c in choices) == list(range(6))
+    prompt_len = len(single["tokens"]) - 1  # the single request generated one token
+    for choice in choices:
+        lp = choice["logprobs"]
+        if choice["index"] < 3:  # "Hello there"'s choices: its prompt once, then 3 tokens
+            assert len(lp["tokens"]) == prompt_len + 3
+            assert lp["tokens"][:prompt_len] == single["tokens"][:prompt_len]
+            assert lp["token_logprobs"][:prompt_len] == pytest.approx(
+                single["token_logprobs"][:prompt_len], abs=1e-4)
+        assert lp["token_logprobs"][0] is None  # the first prompt token has no logprob
+        assert all(x is not None for x in lp["token_logprobs"][1:])
