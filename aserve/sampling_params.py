@@ -11,6 +11,7 @@ from enum import IntEnum
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024  # a request's `cache_salt` (vLLM's prefix-cache isolation)
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 

@@ -16,7 +16,8 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import ModelInfo
 from aserve.core.outputs import SchedulerStats
@@ -42,6 +43,7 @@ from aserve.sampling_params import SamplingParams
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 MAX_INLINE_TOKENIZE_CHARS = 2000
+TOKENIZE_THREADS = 2
 GRAMMAR_COMPILE_TIMEOUT_S = float(os.environ.get("ASERVE_GRAMMAR_COMPILE_TIMEOUT", 30))  # then 400
 
 
@@ -95,6 +97,8 @@ class AsyncEngine:
         self.dead_error: str | None = None
         self.dead = asyncio.Event()  # set once the engine has died (not on a clean shutdown)
         self._thread: threading.Thread | None = None
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS,
+                                                 thread_name_prefix="aserve-tokenize")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
 
@@ -114,6 +118,7 @@ class AsyncEngine:
         self.inbox.put(Shutdown())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self._fail_all("The engine has shut down.")
 
     @property
@@ -200,9 +205,27 @@ class AsyncEngine:
         processor = self._check_alive()
         if isinstance(prompt, ProcessedPrompt):
             return processor.check_prompt(prompt)
-        if isinstance(prompt, str) and len(prompt) > MAX_INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(processor.process_prompt, prompt, add_special_tokens)
+        text = prompt.get("prompt") if isinstance(prompt, Mapping) and (
+            "prompt_token_ids" not in prompt) else prompt
+        if isinstance(text, str) and len(text) > MAX_INLINE_TOKENIZE_CHARS:
+            processor.check_text_length(text)  # one that cannot fit is refused at once
+            return await self._tokenizing(processor.process_prompt, prompt, add_special_tokens)
         return processor.process_prompt(prompt, add_special_tokens)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of a text that could fit in the context (`/tokenize`), off the loop when
+        long; ValueError for a longer one."""
+        processor = self._check_alive()
+        if len(text) > MAX_INLINE_TOKENIZE_CHARS:
+            processor.check_text_length(text)
+            return await self._tokenizing(processor.encode, text, add_special_tokens)
+        return processor.encode(text, add_special_tokens)
+
+    async def _tokenizing(self, fn, *args):
+        """`fn(*args)` in the tokenizer's own threads: not the loop's default pool (shared
+        with template renders and joins), and at most TOKENIZE_THREADS texts in memory at once.
+        A long text's encode releases the GIL (`Tokenizer.encode`), so the loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
     async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
                           params: SamplingParams, priority: int = 0) -> RequestStream:

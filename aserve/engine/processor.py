@@ -17,7 +17,7 @@ from aserve.core.request import Request
 from aserve.engine.output_processor import ParentRequest
 from aserve.engine.tokenizer import Tokenizer
 from aserve.kv_transfer import check_params
-from aserve.sampling_params import SamplingParams
+from aserve.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
 from aserve.structured_output import GrammarCompiler
 
 PromptType = str | Mapping
@@ -27,6 +27,9 @@ PromptType = str | Mapping
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    # vLLM's `cache_salt`: keys the prompt's first block, so its cached blocks are shared only
+    # with prompts of the same salt (one tenant's prefix cache is not another's)
+    cache_salt: str | None = None
 
 
 class Processor:
@@ -42,32 +45,56 @@ class Processor:
 
     def process_prompt(self, prompt: PromptType,
                        add_special_tokens: bool = True) -> ProcessedPrompt:
+        """A string, or vLLM's prompt dicts: {'prompt': str} or {'prompt_token_ids': [...]},
+        either with an optional 'cache_salt'."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            return self.check_prompt(ProcessedPrompt(prompt, ids))
+            return self.check_prompt(ProcessedPrompt(prompt, self.encode(prompt,
+                                                                         add_special_tokens)))
+        salt = check_cache_salt(prompt.get("cache_salt")) if isinstance(prompt, Mapping) else None
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, list | tuple) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError("prompt_token_ids must be a list of integers.")
-            return self.check_prompt(ProcessedPrompt(prompt.get("prompt"), list(ids)))
+            return self.check_prompt(ProcessedPrompt(prompt.get("prompt"), list(ids), salt))
         if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
-            return self.process_prompt(prompt["prompt"], add_special_tokens)
+            processed = self.process_prompt(prompt["prompt"], add_special_tokens)
+            return replace(processed, cache_salt=salt)
         raise ValueError("A prompt must be a string, {'prompt': str} or "
                          "{'prompt_token_ids': [int, ...]}, got "
                          f"{type(prompt).__name__}.")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a text that can fit in the context (see `check_text_length`)."""
+        self.check_text_length(text)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.tokenizer.max_token_chars * self.model_info.max_model_len
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse, before it is tokenized, a text longer than the context can hold: one token
+        stands for at most `Tokenizer.max_token_chars` characters. (Tokenizing 16 MB took 5 s
+        and 2 GB, only to be refused then.)"""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt is {len(text)} characters long, more than this model's maximum "
+                f"context length of {self.model_info.max_model_len} tokens can hold (at most "
+                f"{self.max_prompt_chars} characters: {self.tokenizer.max_token_chars} a "
+                "token). Please reduce the length of the prompt.")
 
     def check_prompt(self, processed: ProcessedPrompt) -> ProcessedPrompt:
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        self.check_token_ids(ids, "prompt_token_ids")
         max_model_len = self.model_info.max_model_len
         if len(ids) >= max_model_len:
             raise ValueError(
                 f"This model's maximum context length is {max_model_len} tokens. However, you "
                 f"requested {len(ids) + 1} tokens ({len(ids)} in the prompt, at least 1 to "
                 "generate). Please reduce the length of the prompt.")
+        self.check_token_ids(ids, "prompt_token_ids")  # (after the length: at most a context)
         return processed
 
     def check_token_ids(self, token_ids, field_name: str) -> None:
@@ -122,12 +149,22 @@ class Processor:
         (ids `"{i}_{request_id}"`, seeds `seed + i`) that share the prompt's cached blocks."""
         parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
                                completions=[None] * params.n, stream=stream)
+        salt = prompt.cache_salt
         if params.n == 1:
             return parent, [Request(request_id, prompt.prompt_token_ids, params,
-                                    priority=priority)]
+                                    priority=priority, cache_salt=salt)]
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             children.append(Request(f"{i}_{request_id}", prompt.prompt_token_ids,
-                                    replace(params, n=1, seed=seed), priority=priority))
+                                    replace(params, n=1, seed=seed), priority=priority,
+                                    cache_salt=salt))
         return parent, children
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """vLLM's rule: absent, or a non-empty string (here also at most 1024 characters)."""
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ValueError(f"cache_salt must be a non-empty string of at most "
+                         f"{MAX_CACHE_SALT_CHARS} characters.")
+    return salt

@@ -84,7 +84,8 @@ async def create_chat_completion(request: Request) -> Response:
                  else None)
     engine = running_engine(request)
     text = await render_chat(request, engine, body)
-    prompt = await process_prompt(engine, text, body.add_special_tokens)
+    prompt = await process_prompt(engine, text, body.add_special_tokens, body.cache_salt,
+                                  "messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)
     if reasoning is not None and params.structured_outputs is not None and not thinking_ended(

@@ -51,7 +51,8 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     check_model(request, body.model)
     engine = running_engine(request)
-    prompts = [await process_prompt(engine, p, body.add_special_tokens) for p in body.prompts()]
+    prompts = [await process_prompt(engine, p, body.add_special_tokens, body.cache_salt)
+               for p in body.prompts()]
     params = [sampling_params_for(engine, p, body.max_tokens, body.to_sampling_params)
               for p in prompts]
     request_id = make_id("cmpl")

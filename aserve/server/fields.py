@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-from aserve.sampling_params import MAX_LOGPROBS
+from aserve.sampling_params import MAX_CACHE_SALT_CHARS, MAX_LOGPROBS
 
 # Limits on hostile or careless requests; each violation is a 400 naming the field.
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -22,6 +22,7 @@ MAX_LOGIT_BIAS = 1024  # entries
 MAX_TOKEN_ID_DIGITS = 19  # a logit_bias key; anything longer is out of vocabulary anyway
 MAX_CHAT_MESSAGES = 4096
 MAX_CONTENT_PARTS = 1024  # text parts in one chat message
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 def _is_whole_float(value: Any) -> bool:

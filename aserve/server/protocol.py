@@ -30,6 +30,7 @@ from pydantic import (
 
 from aserve.sampling_params import SamplingParams
 from aserve.server.fields import (
+    CacheSalt,
     MAX_CHAT_MESSAGES,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
@@ -112,7 +113,8 @@ class _GenerationRequest(StructuredOutputFields):
     include_stop_str_in_output: bool = False
     priority: Int64 = 0
     prompt_logprobs: LogprobCount | None = None
-    cache_salt: None = None  # not supported yet: refused rather than silently ignored
+    # vLLM's: the prompt's cached blocks are shared only with requests of the same salt
+    cache_salt: CacheSalt | None = None
     # Disaggregated prefill (vLLM's): what the server's KV connector reads of this request,
     # checked against it (no connector, or keys it does not know: a 400)
     kv_transfer_params: dict[str, Any] | None = None
@@ -138,14 +140,6 @@ class _GenerationRequest(StructuredOutputFields):
             if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(f"logit_bias keys must be token ids (strings of non-negative "
                                  f"integers), got {key[:MAX_TOKEN_ID_DIGITS + 1]!r}.")
-        return value
-
-    @field_validator("cache_salt", mode="before")
-    @classmethod
-    def _no_cache_salt(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("cache_salt is not supported yet: this server does not isolate "
-                             "prefix-cache entries between users.")
         return value
 
     @model_validator(mode="after")

@@ -35,7 +35,10 @@ async def tokenize(request: Request) -> Response:
     check_model(request, body.model)
     engine = running_engine(request)
     text = body.prompt if body.prompt is not None else await render_chat(request, engine, body)
-    tokens = engine.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    try:
+        tokens = await engine.encode(text, add_special_tokens=body.add_special_tokens)
+    except ValueError as e:
+        raise ServerError(str(e), 400, "prompt" if body.prompt is not None else "messages") from e
     return JSONResponse(TokenizeResponse(tokens=tokens, count=len(tokens),
                                          max_model_len=engine.model_info.max_model_len)
                         .model_dump())

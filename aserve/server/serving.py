@@ -56,12 +56,18 @@ async def parse_body(request: Request, cls: type[ModelT]) -> ModelT:
 
 
 async def process_prompt(engine: AsyncEngine, prompt: str | list[int],
-                         add_special_tokens: bool) -> ProcessedPrompt:
-    value = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+                         add_special_tokens: bool, cache_salt: str | None = None,
+                         param: str = "prompt") -> ProcessedPrompt:
+    """Tokenized and checked; a 400 naming `param` (the request's field that holds the
+    prompt) unless the message names a field of its own."""
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
     try:
-        return await engine.process_prompt(value, add_special_tokens)
+        return await engine.process_prompt({key: prompt, "cache_salt": cache_salt},
+                                           add_special_tokens)
     except ValueError as e:
-        raise ServerError.from_value_error(e) from e
+        error = ServerError.from_value_error(e)
+        error.param = param if error.param in (None, "prompt") else error.param
+        raise error from e
 
 
 def sampling_params_for(engine: AsyncEngine, prompt: ProcessedPrompt, max_tokens: int | None,

@@ -76,8 +76,8 @@ OVER_LIMITS = {
     "seed": ("/v1/completions", {"seed": -(2**63) - 1}, "seed", "greater than or equal"),
     "min_tokens_over_max_tokens": ("/v1/completions", {"min_tokens": 2, "max_tokens": 1},
                                    "min_tokens", "max_tokens=1"),
-    "cache_salt": ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt",
-                   "not supported"),
+    "cache_salt": ("/v1/chat/completions", {"cache_salt": "s" * 1025}, "cache_salt",
+                   "at most 1024 characters"),
 }
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT,
          "/tokenize": {"model": "tiny"}}
