@@ -18,15 +18,25 @@ next of its role; when none answers the client gets a 503, a broken or silent on
 all in OpenAI's error shape, never a hang. An instance's own 4xx / 5xx reaches the client as it
 is. `/v1/models` is answered by a decode instance and `/health` is 200 only when every instance
 is healthy.
+
+Guarding it (SECURITY.md): with `--api-key` (or $ASERVE_API_KEY) every `/v1/*` route needs
+`Authorization: Bearer <key>` (401 otherwise, checked before the body is read); the header is
+passed on to the instances, which may check the same key. A body over
+`--max-request-body-bytes` (16 MiB, the server's default) is refused with 413 as its bytes
+arrive, before anything is forwarded, so a request holds one bounded body. Connections get the
+server's limits (`server/connections.py`: a deadline for the request head, a cap on open
+connections).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hmac
 import itertools
 import json
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,10 +44,13 @@ from dataclasses import dataclass
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from aserve.server.connections import add_connection_args, connection_limits_from, raise_fd_limit
 from aserve.server.errors import ErrorResponse, error_response
 
 logger = logging.getLogger("aserve.disagg_proxy")
@@ -58,12 +71,18 @@ _PREFILL_DROPS = ("stream_options", "min_tokens", "best_of")
 # Headers passed to the instances as they came; hop-by-hop ones and the body's are not.
 _FORWARDED_HEADERS = ("authorization", "x-request-id", "user-agent")
 _RETURNED_HEADERS = ("content-type", "x-request-id")
+API_KEY_ENV = "ASERVE_API_KEY"
+GUARDED_PREFIX = "/v1"
+# Refusals of a request whose body may still be coming close the connection after them, so that
+# uvicorn does not go on receiving the rest only to throw it away.
+_CLOSE = {"Connection": "close"}
 
 
 class ProxyError(Exception):
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
 @dataclass
@@ -72,6 +91,8 @@ class ProxyConfig:
     decode: list[str]
     timeout: float = 600.0  # seconds an instance may take to answer (or between stream chunks)
     connect_timeout: float = 5.0
+    max_request_body_bytes: int = 16 << 20  # the server's default (`ServerConfig`)
+    api_key: str | None = None  # `/v1/*` needs `Authorization: Bearer <key>` when set
 
 
 class Pool:
@@ -161,7 +182,9 @@ class DisaggProxy:
 
     async def generate(self, request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request, self.config.max_request_body_bytes))
+        except ProxyError as exc:
+            return error_response(str(exc), exc.status, headers=exc.headers)
         except ValueError:
             return error_response("the request body is not valid JSON", 400)
         if not isinstance(body, dict):
@@ -215,6 +238,43 @@ class DisaggProxy:
         return JSONResponse({"status": "ok"})
 
 
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The request's body, refused past `limit` bytes (413): by its Content-Length before a
+    byte is read, else as the bytes arrive (a chunked body too)."""
+    too_large = ProxyError(f"The request body is larger than {limit} bytes.", 413, _CLOSE)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # gone before its body arrived: nobody to answer
+        raise ProxyError("The client disconnected before sending its body.", 499) from None
+    return body
+
+
+class ProxyKeyMiddleware:
+    """`/v1/*` needs `Authorization: Bearer <key>`, compared in constant time: the server's check
+    (`server/auth.py`, which the proxy cannot import: through the server's frontend it loads
+    the engine and torch)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PREFIX):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response("Invalid or missing API key.", 401, headers=_CLOSE)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _auth(request: Request) -> dict[str, str]:
     value = request.headers.get("authorization")
     return {"authorization": value} if value else {}
@@ -259,7 +319,8 @@ def build_proxy_app(config: ProxyConfig) -> Starlette:
         finally:
             await proxy.stop()
 
-    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = [Middleware(ProxyKeyMiddleware, api_key=config.api_key)] if config.api_key else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.proxy = proxy
     return app
 
@@ -277,7 +338,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds an instance may take to answer, or between stream chunks")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"require `Authorization: Bearer KEY` on /v1 routes, passed on to "
+                             f"the instances (default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 << 20, metavar="N",
+                        help="refuse (413) a request body larger than this, before forwarding "
+                             "it (default: 16777216, 16 MiB)")
+    add_connection_args(parser)
     args = parser.parse_args(argv)
+    if args.max_request_body_bytes <= 0:
+        parser.error("--max-request-body-bytes must be > 0")
     for url in args.prefill + args.decode:
         if not url.startswith(("http://", "https://")):
             parser.error(f"instance URLs start with http:// or https://, got {url!r}")
@@ -289,8 +359,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    app = build_proxy_app(ProxyConfig(args.prefill, args.decode, timeout=args.timeout))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    config = ProxyConfig(args.prefill, args.decode, timeout=args.timeout,
+                         max_request_body_bytes=args.max_request_body_bytes,
+                         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None)
+    limits = connection_limits_from(args)
+    raise_fd_limit(limits.max_connections)
+    uvicorn.run(build_proxy_app(config), host=args.host, port=args.port, log_level="warning",
+                **limits.uvicorn_options())
 
 
 if __name__ == "__main__":

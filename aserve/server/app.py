@@ -40,12 +40,18 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the model path
     api_key: str | None = None
     chat_template: str | None = None  # a template string, or a path to a file holding one
+    # Accept a request's own `chat_template` (bounded: `aserve/engine/chat_template.py`);
+    # off, such a request is a 400 (vLLM's --trust-request-chat-template)
+    trust_request_chat_template: bool = False
     allowed_origins: list[str] = field(default_factory=list)  # CORS off unless given
     max_request_body_bytes: int = 16 << 20
     # Backpressure: engine requests (completions) allowed to wait beyond the `max_num_seqs`
     # that can run; past it a request is refused at once with 503 + Retry-After.
     max_waiting_requests: int = 512
     request_timeout: float | None = None  # seconds a request may take; then it is aborted
+    # A stream whose client reads nothing for this long is aborted (its slots and KV blocks
+    # come back) and its connection closed; None or 0: never (`serving.EventStream`)
+    stream_stall_timeout: float | None = 30.0
     liveness_timeout: float = 30.0  # `/health?generate=1`: seconds to produce one token
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed from the text
     tool_call_parser: str | None = None  # the model's tool-call format (`tool_parsers.py`)

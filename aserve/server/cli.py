@@ -33,6 +33,7 @@ import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs, KVTransferConfigError
 from aserve.sampling_params import SamplingParams
+from aserve.server.connections import add_connection_args, connection_limits_from, raise_fd_limit
 from aserve.server.reasoning_parsers import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
@@ -184,6 +185,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                        help="a Jinja chat template, or a file holding one (default: the "
                             "tokenizer's)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in /v1/chat/completions and /tokenize "
+                            "requests (each rendered within size and time bounds); without it "
+                            "such a request is a 400 (default: off)")
     group.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                        help="CORS origins allowed to call the API, comma-separated or repeated "
                             "(default: none, CORS off)")
@@ -193,6 +198,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request that has not finished after this long: 504, or "
                             "an error event when streaming (default: none)")
+    group.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="abort a streamed request whose client has read nothing for this "
+                            "long (its socket buffers full), freeing its slots and KV blocks, "
+                            "and close the connection; 0: never (default: 30)")
     group.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, time in-flight requests get to finish before "
                             "they are aborted (finish_reason \"abort\") (default: 10)")
@@ -208,6 +217,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-frontend", action="store_true",
                        help="serve no web pages: no playground at /, no dashboard at "
                             "/dashboard, nor their files and figures (all 404)")
+    add_connection_args(group)  # --timeout-header-read, --timeout-keep-alive, --max-connections
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
 
@@ -245,13 +255,18 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
         raise UsageError("--max-waiting-requests must be >= 0")
     if ns.request_timeout is not None and ns.request_timeout <= 0:
         raise UsageError("--request-timeout must be > 0")
+    if ns.stream_stall_timeout < 0:
+        raise UsageError("--stream-stall-timeout must be >= 0")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServerConfig(served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
-                        chat_template=ns.chat_template, allowed_origins=origins,
+                        chat_template=ns.chat_template,
+                        trust_request_chat_template=ns.trust_request_chat_template,
+                        allowed_origins=origins,
                         max_waiting_requests=ns.max_waiting_requests,
                         request_timeout=ns.request_timeout,
+                        stream_stall_timeout=ns.stream_stall_timeout or None,
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser,
@@ -341,10 +356,13 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
         app = build_app(engine_args, server_config_from(ns))
     except OSError as e:  # --chat-template names a file that cannot be read
         raise UsageError(f"--chat-template: {e}") from None
+    limits = connection_limits_from(ns)
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                             lifespan="off",
-                            timeout_graceful_shutdown=ns.shutdown_timeout + ABORT_MARGIN_S)
+                            timeout_graceful_shutdown=ns.shutdown_timeout + ABORT_MARGIN_S,
+                            **limits.uvicorn_options())
     log_filter = configure_logging(ns.uvicorn_log_level)
+    raise_fd_limit(limits.max_connections)
     try:
         sock = bind(ns.host, ns.port)
         host = f"[{ns.host}]" if ":" in ns.host else ns.host

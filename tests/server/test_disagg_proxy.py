@@ -1,12 +1,18 @@
 """The disaggregated-prefill proxy (`aserve/disagg_proxy.py`) against fake instances: what each
 side is sent, round-robin, and every way an instance can fail (unreachable, an error of its
 own, a broken answer, dying mid-stream, silence). The proxy in front of real aserve instances is
-tested in tests/server/test_disagg_serving.py."""
+tested in tests/server/test_disagg_serving.py. Its guards (body size, API key, connection
+limits) are tested at the end."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
+import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -234,3 +240,115 @@ def test_cli_takes_several_of_each():
     args = parse_args(["--prefill", "http://a", "--prefill", "http://b", "--decode", "http://c",
                        "--port", "9"])
     assert (args.prefill, args.decode, args.port) == (["http://a", "http://b"], ["http://c"], 9)
+
+
+# ---- guarding the proxy: body size, API key, connections ------------------------------------
+
+def counted_chunks(total: int, counter: list[int], size: int = 1 << 16):
+    """A chunked body of `total` bytes (no Content-Length); `counter[0]` is how much of it the
+    proxy has pulled so far."""
+    chunk = b"x" * size
+    for _ in range(total // size):
+        counter[0] += size
+        yield chunk
+
+
+def test_a_body_over_the_limit_is_413_before_anything_is_forwarded():
+    log = []
+    with serving(fake_instance("P", log)) as p, serving(fake_instance("D", log)) as d, \
+            proxy([p], [d], max_request_body_bytes=1 << 20) as url:
+        padded = {"prompt": "x", "pad": "y" * (1 << 20)}  # Content-Length says it
+        r = httpx.post(url + "/v1/completions", json=padded, timeout=30)
+        assert_error(r, 413, contains="larger than 1048576 bytes")
+        assert r.headers["connection"] == "close"
+        pulled = [0]  # chunked: counted as it comes
+        tracemalloc.start()
+        try:
+            r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                           content=counted_chunks(50 << 20, pulled))
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert_error(r, 413, contains="larger than 1048576 bytes")
+        assert pulled[0] < 25 << 20  # it stopped reading: the rest was never sent
+        assert peak < 16 << 20  # nor held: 50 MB read whole would be 50 MB at least
+        assert log == []
+        small = {"prompt": "x", "pad": "y" * ((1 << 20) - 100)}
+        assert httpx.post(url + "/v1/completions", json=small, timeout=30).status_code == 200
+        assert [name for name, *_ in log] == ["P", "D"]
+
+
+def test_with_a_key_v1_needs_it_and_it_is_passed_on():
+    log = []
+    with serving(fake_instance("P", log)) as p, serving(fake_instance("D", log)) as d, \
+            proxy([p], [d], api_key="sesame") as url:
+        body = {"prompt": "x"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            r = httpx.post(url + "/v1/completions", json=body, headers=headers)
+            assert_error(r, 401, contains="API key")
+            assert_error(httpx.get(url + "/v1/models", headers=headers), 401)
+        assert log == []
+        # refused before its body is read, however large it says it is
+        r = httpx.post(url + "/v1/completions", content=counted_chunks(8 << 20, [0]))
+        assert_error(r, 401)
+        assert httpx.get(url + "/health").status_code == 200  # open, as the server's
+        key = {"Authorization": "Bearer sesame"}
+        assert httpx.post(url + "/v1/completions", json=body, headers=key).status_code == 200
+        assert httpx.get(url + "/v1/models", headers=key).status_code == 200
+        assert [h["authorization"] for _, _, _, h in log] == ["Bearer sesame"] * 2
+
+
+def test_cli_key_body_limit_and_connection_limits_reach_uvicorn(monkeypatch):
+    from aserve import disagg_proxy
+
+    ran = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kwargs: ran.update(app=app, **kwargs))
+    monkeypatch.setattr(disagg_proxy, "raise_fd_limit", lambda n: ran.update(fds=n))
+    monkeypatch.setenv("ASERVE_API_KEY", "from-env")
+    disagg_proxy.main(["--prefill", "http://a", "--decode", "http://b", "--port", "9",
+                       "--max-request-body-bytes", "1000", "--timeout-header-read", "3",
+                       "--timeout-keep-alive", "2", "--max-connections", "7"])
+    config = ran["app"].state.proxy.config
+    assert (config.api_key, config.max_request_body_bytes) == ("from-env", 1000)
+    limits = ran["http"].limits
+    assert (limits.timeout_header_read, limits.max_connections) == (3.0, 7)
+    assert ran["timeout_keep_alive"] == 2.0 and ran["fds"] == 7
+    args = parse_args(["--prefill", "http://a", "--decode", "http://b"])
+    assert (args.max_request_body_bytes, args.api_key, args.max_connections) == (16 << 20, None,
+                                                                                 2048)
+
+
+@pytest.mark.spawns
+def test_the_proxy_process_closes_slow_heads_and_caps_connections():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aserve.disagg_proxy", "--prefill", dead_url(), "--decode",
+         dead_url(), "--port", str(port), "--api-key", "k", "--timeout-header-read", "1",
+         "--max-connections", "4"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert_error(httpx.get(url + "/v1/models"), 401)  # served, by the app
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        for sock in slow:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\n")
+        deadline = time.monotonic() + 5  # once the proxy has accepted all four
+        while (r := httpx.get(url + "/v1/models")).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert_error(r, 503, contains="too many open connections")
+        for sock in slow:  # closed by the header deadline, so the cap frees up
+            sock.settimeout(5)
+            assert sock.recv(100) == b""
+            sock.close()
+        time.sleep(0.2)
+        assert_error(httpx.get(url + "/v1/models"), 401)
+    finally:
+        proc.kill()
+        proc.wait()
