@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import statistics
 import sys
 import tempfile
@@ -68,11 +69,15 @@ def aserve_command(args: argparse.Namespace, port: int, kv_config: dict | None) 
 
 
 def kv_configs(args: argparse.Namespace, store: Path) -> tuple[dict, dict]:
+    """P2P: the consumer pulls only from this producer (`producers`); their shared secret
+    goes in the environment (`start_setup`)."""
     if args.connector == "P2pConnector":
+        port = free_port()
         return ({"kv_connector": args.connector, "kv_role": "kv_producer",
-                 "kv_ip": "127.0.0.1", "kv_port": free_port()},
+                 "kv_ip": "127.0.0.1", "kv_port": port},
                 {"kv_connector": args.connector, "kv_role": "kv_consumer",
-                 "kv_ip": "127.0.0.1", "kv_port": free_port()})
+                 "kv_ip": "127.0.0.1", "kv_port": free_port(),
+                 "kv_connector_extra_config": {"producers": [f"127.0.0.1:{port}"]}})
     extra = {"shared_storage_path": str(store)}
     return tuple({"kv_connector": args.connector, "kv_role": role,
                   "kv_connector_extra_config": extra} for role in ("kv_producer", "kv_consumer"))
@@ -99,9 +104,11 @@ def start_setup(args: argparse.Namespace, setup: str, r: int, workdir: Path) -> 
     produce, consume = kv_configs(args, workdir / f"store_r{r}")
     servers = []
     cores = split_cores() if args.split_cores else None
+    secret = secrets.token_hex(32)  # P2P: shared by the two instances, out of `ps`
     for i, (role, config) in enumerate((("prefill", produce), ("decode", consume))):
         port = free_port()
-        cmd, env = aserve_command(args, port, config), dict(os.environ)
+        cmd = aserve_command(args, port, config)
+        env = {**os.environ, "ASERVE_KV_SECRET": secret}
         if cores is not None:  # each phase on its own cores, one OpenMP thread per core
             cmd = ["taskset", "-c", ",".join(map(str, cores[i])), *cmd]
             env["OMP_NUM_THREADS"] = str(len(cores[i]))

@@ -119,3 +119,4 @@ class SchedulerStats:
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     num_waiting_for_remote_kvs: int = 0  # now: requests whose KV is being loaded
+    num_held_blocks: int = 0  # now: blocks of finished requests a KV connector still uses

@@ -87,6 +87,7 @@ class RemoteKVScheduling:
         for req_id in done:
             held = self.held_for_workers.pop(req_id, None)
             if held is not None:
+                self.num_held_blocks -= self._num_blocks_of(req_id)
                 self.kv_cache_manager.free(held)
         for req_id in sorted(kv_output.finished_recving | kv_output.failed_recving):
             request = self.waiting_for_remote_kvs.pop(req_id, None)

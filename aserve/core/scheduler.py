@@ -75,6 +75,7 @@ class Scheduler(RemoteKVScheduling):
         self.waiting_for_remote_kvs: dict[str, Request] = {}  # their blocks being loaded
         self.loaded: list[Request] = []  # loaded, waiting to run (holding their blocks)
         self.held_for_workers: dict[str, Request] = {}  # finished; blocks still in use
+        self.num_held_blocks = 0  # the blocks of held_for_workers (every group, no null block)
         self.external_prefix_cache_queries = 0
         self.external_prefix_cache_hits = 0
         self.num_kv_load_failures = 0
@@ -122,12 +123,16 @@ class Scheduler(RemoteKVScheduling):
             delay = delay or delay_free
         if delay:
             self.held_for_workers[req_id] = request
+            self.num_held_blocks += self._num_blocks_of(req_id)
         else:
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(req_id)
         self.num_prompt_logprobs_sent.pop(req_id, None)
         del self.requests[req_id]
         return params
+
+    def _num_blocks_of(self, req_id: str) -> int:
+        return sum(len(ids) - ids.count(0) for ids in self.kv_cache_manager.get_block_ids(req_id))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -400,6 +405,7 @@ class Scheduler(RemoteKVScheduling):
             kv_transfer_bytes=self.kv_transfer_bytes,
             kv_transfer_seconds=self.kv_transfer_seconds,
             num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
+            num_held_blocks=self.num_held_blocks,
         )
 
     def reset_prefix_cache(self) -> bool:
@@ -448,6 +454,7 @@ class Scheduler(RemoteKVScheduling):
                 assert len(block_ids) * self.block_size >= num_loaded, request
         for req_id in self.held_for_workers:
             assert kv.holds_blocks(req_id), f"held {req_id} holds no blocks"
+        assert self.num_held_blocks == sum(map(self._num_blocks_of, self.held_for_workers))
         output = self._last_output
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens

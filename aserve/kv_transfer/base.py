@@ -94,6 +94,15 @@ class KVConnectorBase:
         if params.get("do_remote_decode") and not config.is_producer:
             raise ValueError("kv_transfer_params.do_remote_decode asks this instance to "
                              f"produce KV, but its kv_role is {config.kv_role}.")
+        if params.get("do_remote_prefill") and not config.is_consumer:
+            raise ValueError("kv_transfer_params.do_remote_prefill asks this instance to "
+                             f"load KV, but its kv_role is {config.kv_role}.")
+
+    @classmethod
+    def max_held_blocks(cls, config: KVTransferConfig, num_kv_blocks: int) -> int | None:
+        """The most blocks a producer may hold for remote decodes (None: no cap); a request
+        that would hold more is refused in the frontend with 503 + Retry-After."""
+        return None
 
     # ---------------------------------------------------------------- scheduler side
 

@@ -5,72 +5,69 @@ rank pair, built on first use).
     producer (kv_producer / kv_both)                consumer (kv_consumer / kv_both)
     request {"do_remote_decode": true} finishes
       request_finished → delay_free, params: host,
-      port, handle, block ids, prompt digest, key ──► request {"do_remote_prefill": true, ...}
+      port, handle, block ids, prompt digest, key,
+      signed with the shared secret ──────────────► request {"do_remote_prefill": true, ...}:
+                                                      signature (and allow-list) checked in
+                                                      the frontend and again here
       rank r registers the handle (lease starts)      blocks allocated, WAITING_FOR_REMOTE_KVS
-      rank r listens on kv_ip:kv_port + r  ◄── TCP ── rank r's pull thread: hello (its key)
+      rank r listens on kv_ip:kv_port + r  ◄── TCP ── rank r's thread for that producer:
+        nonce; proof of the secret checked ◄────────  hello (its key, proof)
         TCPStore + ProcessGroupGloo(rank 0 of 2) ───  ProcessGroupGloo(rank 1 of 2)
         {"handle", "block_ids"} ◄────────────────────  the blocks it needs, per group
+        {"shapes", "dtype"} ─────────────────────────► checked against its own layout
         send each group's blocks ───── gloo ────────► recv, copy into its own blocks, ack
       finished_sending: the blocks are freed          finished_recving: the request is queued
 
-Each rank moves its own kv heads; the scheduler counts a transfer finished once every rank
-has (`RankReports`). Nothing hangs: the producer frees a handle's blocks once sent, when its
-consumer fails mid-way, or when nobody pulled within `lease_timeout_s`; a consumer that cannot
-reach its producer (gone, or the handle unknown or expired) fails the load and computes the
-prompt itself, as it does when the producer's key, TP size or prompt differ from its own.
-`kv_connector_extra_config`: `lease_timeout_s` (120), `connect_timeout_s` (5),
-`transfer_timeout_s` (30).
+The producer's side is `p2p_send.Sender`, the consumer's `p2p_pull.Puller`, the wire
+`p2p_wire`, the secret and the allow-list `p2p_auth`. Each rank moves its own kv heads; the
+scheduler counts a transfer finished once every rank has (`RankReports`). Nothing hangs: the
+producer frees a handle's blocks once sent, when its consumer fails mid-way, or when nobody
+pulled within `lease_timeout_s`; a consumer whose pull fails (its producer gone, the handle
+unknown or expired, a reply that is not its own layout, no answer within `pull_timeout_s`)
+computes the prompt itself, as it does when the params are not signed, name a producer outside
+`producers`, or name another key, TP size or prompt. Pulls from different producers run
+concurrently: a stalled producer delays only its own.
+
+`kv_connector_extra_config`: `secret` (or env `ASERVE_KV_SECRET`, preferred; required),
+`producers` (["host:port", ...]: the only producers a consumer pulls from; default: any whose
+params are signed), `max_held_share` (0.5: of its KV cache, what a producer holds for pulls;
+a remote decode beyond it is a 503 in the frontend), `lease_timeout_s` (120),
+`connect_timeout_s` (5), `transfer_timeout_s` (30), `pull_timeout_s` (30: a pull's whole
+life, queued included).
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
-import queue
-import socket
-import threading
-import time
 import uuid
-from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from aserve.config import KVTransferConfig
 from aserve.core.outputs import SchedulerOutput
 from aserve.core.request import Request, RequestStatus
 from aserve.kv_transfer.base import PROXY_PARAMS, KVConnectorBase, prompt_digest
+from aserve.kv_transfer.p2p_auth import (
+    SIGNATURE_KEY,
+    has_valid_signature,
+    is_allowed,
+    parse_producers,
+    resolve_secret,
+    sign_params,
+)
+from aserve.kv_transfer.p2p_pull import Pull, Puller
+from aserve.kv_transfer.p2p_send import Send, Sender
 
 logger = logging.getLogger(__name__)
 
-TIMEOUTS = {"lease_timeout_s": 120.0, "connect_timeout_s": 5.0, "transfer_timeout_s": 30.0}
-WAIT_FOR_HANDLE_S = 10.0  # a pull may arrive before the producer's rank has the handle
-
-
-@dataclass(frozen=True)
-class Send:
-    """Blocks a producer holds for a consumer: per group, the prompt's block ids."""
-
-    handle: str
-    req_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class Pull:
-    """Blocks a consumer loads: per group, the producer's ids and its own, pairwise.
-    `error`: why the load cannot happen (it fails at once, and is recomputed)."""
-
-    req_id: str
-    host: str
-    port: int
-    handle: str
-    remote_ids: tuple[tuple[int, ...], ...]
-    local_ids: tuple[tuple[int, ...], ...]
-    error: str | None = None
+TIMEOUTS = {"lease_timeout_s": 120.0, "connect_timeout_s": 5.0, "transfer_timeout_s": 30.0,
+            "pull_timeout_s": 30.0}
+EXTRA_KEYS = (*TIMEOUTS, "secret", "producers", "max_held_share")
+# A producer holds at most this share of its KV cache for consumers to pull (finished prefills
+# waiting up to lease_timeout_s); a remote decode beyond it is a 503. Without a cap, requests
+# that nobody pulls (~280 cheap ones on the demo model) held the whole cache for the lease.
+MAX_HELD_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -83,45 +80,66 @@ class P2pConnector(KVConnectorBase):
     """See the module docstring."""
 
     params_keys = PROXY_PARAMS | {"remote_handle", "remote_num_tokens", "remote_prompt_hash",
-                                  "remote_kv_cache_key", "tp_size"}
+                                  "remote_kv_cache_key", "tp_size", SIGNATURE_KEY}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         extra = self.config.kv_connector_extra_config
         self.timeouts = {k: float(extra.get(k, v)) for k, v in TIMEOUTS.items()}
+        self.secret = resolve_secret(extra)
+        self.producers = parse_producers(extra.get("producers"))
         self.engine_id = self.config.engine_id or uuid.uuid4().hex
         # scheduler side
         self._pulled: set[str] = set()  # loaded once: a preempted request recomputes
         self._pulls: list[Pull] = []
         self._sends: list[Send] = []
-        # worker side: producer
-        self._lock = threading.Condition()
-        self._held: dict[str, tuple[Send, float]] = {}  # handle → (send, lease deadline)
-        self._busy: set[str] = set()  # handles being sent now
-        self._sent: set[str] = set()  # req ids sent (or given up) since get_finished
-        self._gone: deque[str] = deque(maxlen=4096)  # handles sent or given up: refused at once
-        self._listener: socket.socket | None = None
-        self._sockets: set[socket.socket] = set()
-        # worker side: consumer
-        self._pull_queue: queue.SimpleQueue[Pull | None] = queue.SimpleQueue()
-        self._pull_thread: threading.Thread | None = None
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._recving: set[str] = set()
+        # worker side
+        self.sender: Sender | None = None
+        self.puller: Puller | None = None
         self._failed: set[str] = set()
-        self._num_bytes, self._seconds = 0, 0.0
-        self._closed = False
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
         extra = config.kv_connector_extra_config
-        unknown = sorted(set(extra) - set(TIMEOUTS))
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
         if unknown:
             raise ValueError(f"kv_connector_extra_config has keys {unknown} that P2pConnector "
-                             f"does not know; known: {', '.join(TIMEOUTS)}.")
-        for key, value in extra.items():
+                             f"does not know; known: {', '.join(EXTRA_KEYS)}.")
+        for key in set(extra) & set(TIMEOUTS):
+            value = extra[key]
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"kv_connector_extra_config.{key} must be a positive number "
                                  f"of seconds, got {value!r}.")
+        share = extra.get("max_held_share", MAX_HELD_SHARE)
+        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+            raise ValueError(f"kv_connector_extra_config.max_held_share must be in (0, 1], "
+                             f"got {share!r}.")
+        if not isinstance(extra.get("secret", ""), str):
+            raise ValueError("kv_connector_extra_config.secret must be a string.")
+        resolve_secret(extra)
+        parse_producers(extra.get("producers"))
+
+    @classmethod
+    def max_held_blocks(cls, config: KVTransferConfig, num_kv_blocks: int) -> int | None:
+        share = config.kv_connector_extra_config.get("max_held_share", MAX_HELD_SHARE)
+        return int(share * num_kv_blocks) if config.is_producer else None
+
+    @classmethod
+    def check_params(cls, params: Mapping[str, Any], config: KVTransferConfig) -> None:
+        """Params that make a consumer pull must carry a producer's signature (checked first),
+        and name a producer of the allow-list when there is one."""
+        extra = config.kv_connector_extra_config
+        if params.get("do_remote_prefill") and not has_valid_signature(
+                params, resolve_secret(extra)):
+            raise ValueError("kv_transfer_params are not signed by a producer this instance "
+                             f"trusts ({SIGNATURE_KEY} missing or wrong): send the "
+                             "kv_transfer_params a P2pConnector producer returned, unchanged.")
+        super().check_params(params, config)
+        producers = parse_producers(extra.get("producers"))
+        if params.get("do_remote_prefill") and not is_allowed(
+                producers, params.get("remote_host"), params.get("remote_port")):
+            raise ValueError("kv_transfer_params name a producer that is not in this "
+                             "instance's kv_connector_extra_config.producers.")
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -154,7 +172,12 @@ class P2pConnector(KVConnectorBase):
         self._pulled.add(request.request_id)
 
     def _check_remote(self, request: Request, params: dict) -> str | None:
-        """Why the producer's blocks cannot serve this request (None: they can)."""
+        """Why the producer's blocks cannot serve this request (None: they can). The
+        signature first: nothing else of unsigned params is believed."""
+        if not has_valid_signature(params, self.secret):
+            return f"the params are not signed with the shared secret ({SIGNATURE_KEY})"
+        if not is_allowed(self.producers, params.get("remote_host"), params.get("remote_port")):
+            return "the params name a producer outside kv_connector_extra_config.producers"
         checks = (
             (params.get("remote_kv_cache_key") == self.kv_cache_key,
              "the producer's model, dtype, block size or TP layout differ"),
@@ -199,278 +222,53 @@ class P2pConnector(KVConnectorBase):
         ids = [list(g[:num_blocks]) for g in block_ids]
         handle = uuid.uuid4().hex
         self._sends.append(Send(handle, request.request_id, tuple(tuple(g) for g in ids)))
-        return True, {
+        params = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.engine_id, "remote_block_ids": ids,
             "remote_host": self.config.kv_ip, "remote_port": self.config.kv_port,
             "remote_handle": handle, "remote_num_tokens": request.num_prompt_tokens,
             "remote_prompt_hash": prompt_digest(request.prompt_token_ids),
             "remote_kv_cache_key": self.kv_cache_key, "tp_size": self.tp_size}
+        return True, {**params, SIGNATURE_KEY: sign_params(params, self.secret)}
 
     # ---------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches) -> None:
         super().register_kv_caches(kv_caches)
         if self.config.is_producer:
-            port = self.config.kv_port + self.tp_rank
-            try:
-                self._listener = socket.create_server((self.config.kv_ip, port))
-            except OSError as e:
-                raise ValueError(f"P2pConnector cannot listen on {self.config.kv_ip}:{port} "
-                                 f"(kv_ip, kv_port + rank {self.tp_rank}): {e}.") from None
-            threading.Thread(target=self._accept, name="aserve-kv-listen", daemon=True).start()
+            self.sender = Sender(self.paged, self.kv_cache_key, self.tp_rank, self.secret,
+                                 self.timeouts)
+            self.sender.listen(self.config.kv_ip, self.config.kv_port + self.tp_rank)
         if self.config.is_consumer:
-            self._pull_thread = threading.Thread(target=self._pull_loop, name="aserve-kv-pull",
-                                                 daemon=True)
-            self._pull_thread.start()
+            self.puller = Puller(self.paged, self.kv_cache_key, self.tp_rank, self.secret,
+                                 self.timeouts, self.producers)
 
     def bind_connector_metadata(self, metadata: P2pMetadata) -> None:
         super().bind_connector_metadata(metadata)
-        if metadata is None:
-            return
-        deadline = time.monotonic() + self.timeouts["lease_timeout_s"]
-        with self._lock:
-            for send in metadata.sends:
-                self._held[send.handle] = (send, deadline)
-            self._lock.notify_all()
+        if metadata is not None and metadata.sends:
+            self.sender.hold(metadata.sends)
 
     def start_load_kv(self) -> None:
         for pull in self._metadata.pulls if self._metadata is not None else ():
-            self._pull_queue.put(pull)
+            self.puller.submit(pull)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        now = time.monotonic()
-        with self._lock:
-            for handle, (send, deadline) in list(self._held.items()):
-                if deadline < now and handle not in self._busy:
-                    logger.warning("No consumer pulled the KV of %s within %g s: its blocks "
-                                   "are freed", send.req_id, self.timeouts["lease_timeout_s"])
-                    del self._held[handle]
-                    self._gone.append(handle)
-                    self._sent.add(send.req_id)
-            sent, self._sent = self._sent, set()
-            recving, self._recving = self._recving, set()
+        sent = self.sender.take_finished() if self.sender is not None else set()
+        recving = set()
+        if self.puller is not None:
+            recving, failed = self.puller.take_finished()
+            self._failed |= failed
         return sent, recving
 
     def get_failed_loads(self) -> set[str]:
-        with self._lock:
-            failed, self._failed = self._failed, set()
+        failed, self._failed = self._failed, set()
         return failed
 
     def take_transfer_stats(self) -> tuple[int, float]:
-        with self._lock:
-            stats = (self._num_bytes, self._seconds)
-            self._num_bytes, self._seconds = 0, 0.0
-        return stats
+        stats = [side.take_stats() for side in (self.sender, self.puller) if side is not None]
+        return sum(b for b, _ in stats), sum(s for _, s in stats)
 
     def shutdown(self) -> None:
-        self._closed = True
-        if self._listener is not None:
-            _close(self._listener)  # (shutdown first: a bare close leaves accept() blocked)
-        with self._lock:
-            for sock in list(self._sockets):
-                _close(sock)
-        self._pull_queue.put(None)
-        for peer in self._peers.values():
-            peer.close()
-
-    # ---------------------------------------------------------------- producer: serving
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            if self._closed:
-                _close(sock)
-                return
-            with self._lock:
-                self._sockets.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="aserve-kv-send",
-                             daemon=True).start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        """One consumer rank: a hello, then pulls one at a time until it hangs up. Reads time
-        out within a hello or a transfer (a stuck consumer cannot pin blocks), not between
-        pulls (the connection stays open for the next)."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        stream = sock.makefile("rwb")
-        sock.settimeout(self.timeouts["transfer_timeout_s"])
-        try:
-            hello = _read(stream)
-            if hello.get("kv_cache_key") != self.kv_cache_key or hello.get("rank") != self.tp_rank:
-                _write(stream, {"ok": False, "error": "another model, dtype, block size or "
-                                "TP layout"})
-                return
-            store = dist.TCPStore(self.config.kv_ip, 0, 2, True, wait_for_workers=False,
-                                  timeout=self._timeout("connect_timeout_s"))
-            _write(stream, {"ok": True, "store_port": store.port})
-            group = dist.ProcessGroupGloo(dist.PrefixStore("kv", store), 0, 2,
-                                          self._timeout("transfer_timeout_s"))
-            while True:
-                sock.settimeout(None)
-                request = _read(stream, allow_eof=True)
-                if request is None:
-                    break
-                sock.settimeout(self.timeouts["transfer_timeout_s"])
-                self._send_one(stream, group, request)
-        except Exception as e:  # noqa: BLE001 - a consumer failed or left: its blocks go
-            logger.warning("KV send to a consumer failed: %s: %s", type(e).__name__, e)
-        finally:
-            with self._lock:
-                self._sockets.discard(sock)
-            _close(sock)
-
-    def _send_one(self, stream, group, request: dict) -> None:
-        handle = request.get("handle")
-        with self._lock:
-            self._lock.wait_for(lambda: handle in self._held or handle in self._gone
-                                or self._closed, WAIT_FOR_HANDLE_S)
-            entry = self._held.get(handle)
-            if entry is not None:
-                self._busy.add(handle)
-        if entry is None:
-            _write(stream, {"ok": False, "error": f"unknown or expired handle {handle!r}"})
-            return
-        send = entry[0]
-        try:
-            wanted = [tuple(ids) for ids in request.get("block_ids", ())]
-            if len(wanted) != len(send.block_ids) or not all(
-                    set(w) <= set(have) - {0} for w, have in zip(wanted, send.block_ids)):
-                _write(stream, {"ok": False, "error": "blocks the handle does not hold"})
-                return
-            start = time.perf_counter()
-            tensors = [self.paged.read(g, ids).cpu().contiguous() if ids else None
-                       for g, ids in enumerate(wanted)]  # (gloo: through host memory)
-            _write(stream, {"ok": True, "shapes": [list(t.shape) if t is not None else None
-                                                   for t in tensors]})
-            for tag, tensor in enumerate(tensors):
-                if tensor is not None:
-                    group.send([tensor], 1, tag).wait()
-            _read(stream)  # the consumer's ack: the blocks are in its cache
-            with self._lock:
-                self._num_bytes += sum(t.numel() * t.element_size() for t in tensors if
-                                       t is not None)
-                self._seconds += time.perf_counter() - start
-        finally:
-            with self._lock:
-                self._busy.discard(handle)
-                self._held.pop(handle, None)
-                self._gone.append(handle)
-                self._sent.add(send.req_id)
-
-    # ---------------------------------------------------------------- consumer: pulling
-
-    def _pull_loop(self) -> None:
-        while (pull := self._pull_queue.get()) is not None:
-            start = time.perf_counter()
-            try:
-                if pull.error is not None:
-                    raise ValueError(pull.error)
-                num_bytes = self._pull_one(pull)
-            except Exception as e:  # noqa: BLE001 - the request is recomputed
-                logger.warning("KV pull of %s from %s:%s failed (%s: %s); it is recomputed",
-                               pull.req_id, pull.host, pull.port, type(e).__name__, e)
-                peer = self._peers.pop((pull.host, pull.port), None)
-                if peer is not None:
-                    peer.close()
-                with self._lock:
-                    self._failed.add(pull.req_id)
-                continue
-            with self._lock:
-                self._recving.add(pull.req_id)
-                self._num_bytes += num_bytes
-                self._seconds += time.perf_counter() - start
-
-    def _pull_one(self, pull: Pull) -> int:
-        request = {"handle": pull.handle, "block_ids": [list(g) for g in pull.remote_ids]}
-        peer = self._peers.get((pull.host, pull.port))
-        try:  # a kept connection the producer has closed since (a restart): connect again
-            if peer is None:
-                raise ConnectionError("not connected")
-            _write(peer.stream, request)
-            reply = _read(peer.stream)
-        except (OSError, ConnectionError):
-            if peer is not None:
-                peer.close()
-            peer = _Peer.connect(pull.host, pull.port + self.tp_rank, self.kv_cache_key,
-                                 self.tp_rank, self.timeouts["connect_timeout_s"],
-                                 self.timeouts["transfer_timeout_s"])
-            self._peers[(pull.host, pull.port)] = peer
-            _write(peer.stream, request)
-            reply = _read(peer.stream)
-        if not reply.get("ok"):
-            raise ValueError(f"the producer refused: {reply.get('error')}")
-        dtype = self.paged.group_buffers[0][0].dtype
-        num_bytes = 0
-        for group, (shape, local) in enumerate(zip(reply["shapes"], pull.local_ids)):
-            if shape is None:
-                continue
-            tensor = torch.empty(shape, dtype=dtype)
-            peer.group.recv([tensor], 0, group).wait()
-            self.paged.write(group, local, tensor)
-            num_bytes += tensor.numel() * tensor.element_size()
-        _write(peer.stream, {"ack": True})
-        return num_bytes
-
-    def _timeout(self, key: str) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeouts[key])
-
-
-class _Peer:
-    """A consumer rank's connection to one producer rank: the socket and their gloo group."""
-
-    def __init__(self, sock: socket.socket, stream, store, group) -> None:
-        self.sock, self.stream, self.store, self.group = sock, stream, store, group
-
-    @classmethod
-    def connect(cls, host: str, port: int, kv_cache_key: str, rank: int,
-                connect_timeout_s: float, transfer_timeout_s: float) -> _Peer:
-        """Consumer rank `rank` (of KV cache key `kv_cache_key`) joins the producer rank
-        listening on host:port: a hello, then their two-rank gloo group."""
-        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see _write
-        sock.settimeout(transfer_timeout_s)
-        stream = sock.makefile("rwb")
-        try:
-            _write(stream, {"kv_cache_key": kv_cache_key, "rank": rank})
-            reply = _read(stream)
-            if not reply.get("ok"):
-                raise ValueError(f"the producer refused: {reply.get('error')}")
-            store = dist.TCPStore(host, reply["store_port"], 2, False,
-                                  timeout=datetime.timedelta(seconds=connect_timeout_s))
-            group = dist.ProcessGroupGloo(dist.PrefixStore("kv", store), 1, 2,
-                                          datetime.timedelta(seconds=transfer_timeout_s))
-        except BaseException:
-            _close(sock)
-            raise
-        return cls(sock, stream, store, group)
-
-    def close(self) -> None:
-        _close(self.sock)
-
-
-def _write(stream, message: dict) -> None:
-    """One JSON line. Both ends' sockets have Nagle's algorithm off (TCP_NODELAY): a consumer
-    writes its ack and then its next pull back to back, and with Nagle on the pull would wait
-    for the producer's delayed ACK of the ack (40 ms a pull)."""
-    stream.write(json.dumps(message).encode() + b"\n")
-    stream.flush()
-
-
-def _read(stream, allow_eof: bool = False) -> dict | None:
-    line = stream.readline()
-    if not line:
-        if allow_eof:
-            return None
-        raise ConnectionError("the peer closed the connection")
-    return json.loads(line)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+        for side in (self.sender, self.puller):
+            if side is not None:
+                side.shutdown()

@@ -2,12 +2,15 @@
 tests whose producer and consumer both run several ranks (one process holds only one default
 process group, so a tensor-parallel producer and consumer cannot share the test's process); and
 for the HTTP tests, `python -m aserve` instances with a connector (`start`, `configs`) and what
-their /metrics say (`metric`, `wait_for_no_blocks`)."""
+their /metrics say (`metric`, `wait_for_no_blocks`). P2P instances share `KV_SECRET`: offline
+in `kv_connector_extra_config.secret`, over HTTP in the environment (`ASERVE_KV_SECRET`), as an
+operator would."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import queue
 import re
 import subprocess
@@ -18,6 +21,8 @@ import httpx
 
 from aserve import LLM, SamplingParams
 from helpers.server import free_port
+
+KV_SECRET = "aserve-tests-kv-secret-5f0c2a9e"
 
 
 def _produce(model_dir: str, llm_kwargs: dict, prompts: list[list[int]],
@@ -68,11 +73,12 @@ class ProducerProcess:
 # ---------------------------------------------------------------------------------- over HTTP
 
 def start(model_dir, port: int, config: dict, log) -> subprocess.Popen:
+    """An instance with `config`; a P2P one gets `KV_SECRET` in its environment."""
     return subprocess.Popen(
         [sys.executable, "-m", "aserve", "--model", str(model_dir), "--port", str(port),
          "--dtype", "float32", "--max-model-len", "256", "--block-size", "4",
          "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(config)],
-        stdout=subprocess.DEVNULL, stderr=log)
+        stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "ASERVE_KV_SECRET": KV_SECRET})
 
 
 def metric(url: str, name: str) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.disagg import KV_SECRET
 from helpers.requests import make_request
 
 from aserve.config import KVCacheGroupSpec, KVTransferConfig
@@ -20,6 +21,7 @@ from aserve.kv_transfer import (
     model_identity,
 )
 from aserve.kv_transfer.base import prompt_digest
+from aserve.kv_transfer.p2p_auth import sign_params
 
 BS = 4
 
@@ -32,6 +34,20 @@ BS = 4
      "does not know"),
     ({"kv_connector": "P2pConnector", "kv_connector_extra_config": {"lease_timeout_s": -1}},
      "positive number"),
+    ({"kv_connector": "P2pConnector",
+      "kv_connector_extra_config": {"secret": KV_SECRET, "pull_timeout_s": "1"}},
+     "pull_timeout_s must be a positive number"),
+    ({"kv_connector": "P2pConnector"}, "ASERVE_KV_SECRET"),
+    ({"kv_connector": "P2pConnector", "kv_connector_extra_config": {"secret": 123}},
+     "secret must be a string"),
+    ({"kv_connector": "P2pConnector", "kv_connector_extra_config": {"secret": "short"}},
+     "at least 16 characters"),
+    ({"kv_connector": "P2pConnector",
+      "kv_connector_extra_config": {"secret": KV_SECRET, "producers": "10.0.0.1:14579"}},
+     "producers must be a non-empty list"),
+    ({"kv_connector": "P2pConnector",
+      "kv_connector_extra_config": {"secret": KV_SECRET, "producers": ["10.0.0.1"]}},
+     "host:port"),
     ({"kv_connector": "SharedStorageConnector",
       "kv_connector_extra_config": {"shared_storage_path": ""}}, "shared_storage_path"),
 ])
@@ -115,18 +131,20 @@ def test_the_store_offers_the_run_of_blocks_every_rank_has_never_the_last_token(
     assert producer.get_num_new_matched_tokens(request, 0) == (0, True)
 
 
-def p2p_consumer(groups):
-    config = KVTransferConfig.from_value({"kv_connector": "P2pConnector",
-                                          "kv_role": "kv_consumer"})
+def p2p_consumer(groups, **extra):
+    config = KVTransferConfig.from_value({
+        "kv_connector": "P2pConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"secret": KV_SECRET, **extra}})
     return create_connector(config, KVConnectorRole.SCHEDULER, "k" * 32, groups, BS)
 
 
-def producer_params(prompt: list[int], block_ids, **changes) -> dict:
+def producer_params(prompt: list[int], block_ids, secret: str = KV_SECRET, **changes) -> dict:
+    """What a producer holding `secret` would answer (with `changes`), signed."""
     params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
               "remote_handle": "h", "remote_block_ids": block_ids,
               "remote_num_tokens": len(prompt), "remote_prompt_hash": prompt_digest(prompt),
-              "remote_kv_cache_key": "k" * 32, "tp_size": 1}
-    return {**params, **changes}
+              "remote_kv_cache_key": "k" * 32, "tp_size": 1, **changes}
+    return {**params, "remote_signature": sign_params(params, secret.encode())}
 
 
 @pytest.mark.parametrize("changes, reason", [

@@ -16,7 +16,7 @@ import socket
 import time
 
 import pytest
-from helpers.disagg import ProducerProcess
+from helpers.disagg import KV_SECRET, ProducerProcess
 from helpers.hf_models import hf_greedy
 from helpers.server import free_port
 
@@ -43,7 +43,7 @@ def storage(path, role: str) -> dict:
 
 def p2p(role: str, port: int, **extra) -> dict:
     return {"kv_connector": "P2pConnector", "kv_role": role, "kv_port": port,
-            "kv_connector_extra_config": extra}
+            "kv_connector_extra_config": {"secret": KV_SECRET, **extra}}
 
 
 def make_llm(model_dir, kv_transfer_config=None, **kwargs) -> LLM:
@@ -143,8 +143,8 @@ def test_p2p_consumer_pulls_the_whole_prompt_and_the_producer_frees_it(llama):
         assert producer.stats().kv_transfer_bytes == stats.kv_transfer_bytes > 0
         # both ends of the pull's connection with Nagle off (a consumer's ack, then its next
         # pull, would otherwise wait out the producer's delayed ACK)
-        sockets = [peer.sock for peer in worker_connector(consumer)._peers.values()]
-        sockets += list(worker_connector(producer)._sockets)
+        sockets = [peer.sock for peer in worker_connector(consumer).puller.peers()]
+        sockets += worker_connector(producer).sender.sockets()
         assert len(sockets) == 2
         assert all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
 
@@ -213,6 +213,9 @@ def test_kv_transfer_params_are_checked_against_the_connector(llama, tmp_path):
         out = llm.generate(one, SamplingParams(
             max_tokens=2, extra_args={"kv_transfer_params": {"do_remote_prefill": False}}))
         assert len(out[0].outputs[0].token_ids) == 2
+    with make_llm(model_dir, storage(tmp_path, "kv_producer")) as llm:
+        with pytest.raises(ValueError, match="do_remote_prefill .* kv_role is kv_producer"):
+            llm.generate(one, SamplingParams(kv_transfer_params={"do_remote_prefill": True}))
 
 
 @pytest.mark.parametrize("connector", ["SharedStorageConnector", "P2pConnector"])
@@ -273,7 +276,7 @@ def test_p2p_consumer_gone_mid_transfer_gives_the_blocks_back_before_the_lease(l
     """A consumer rank that asks for blocks and hangs up without taking them: the producer
     frees them at once (not after its 120 s lease), and a second pull of the handle is
     refused at once."""
-    from aserve.kv_transfer.p2p import _Peer, _read, _write
+    from aserve.kv_transfer.p2p_wire import Peer, read_line, write_line
 
     model_dir, prompts, _ = llama
     port = free_port()
@@ -281,17 +284,18 @@ def test_p2p_consumer_gone_mid_transfer_gives_the_blocks_back_before_the_lease(l
     with make_llm(model_dir, config) as producer:
         params = prefill(producer, prompts[:1])[0]
 
-        consumer = ("127.0.0.1", port, params["remote_kv_cache_key"], 0, 5.0, 3.0)
+        consumer = ("127.0.0.1", port, params["remote_kv_cache_key"], 0, KV_SECRET.encode(),
+                    5.0, 3.0)
         start = time.monotonic()
-        peer = _Peer.connect(*consumer)
-        _write(peer.stream, {"handle": params["remote_handle"],
-                             "block_ids": params["remote_block_ids"]})
-        assert _read(peer.stream)["ok"]
+        peer = Peer.connect(*consumer)
+        write_line(peer.stream, {"handle": params["remote_handle"],
+                                 "block_ids": params["remote_block_ids"]})
+        assert read_line(peer.stream)["ok"]
         peer.close()  # gone before receiving anything
         assert producer.wait_for_kv_transfers(timeout=30)
         assert time.monotonic() - start < 30 and producer.stats().kv_cache_usage == 0
-        again = _Peer.connect(*consumer)
-        _write(again.stream, {"handle": params["remote_handle"], "block_ids": [[]]})
-        reply = _read(again.stream)
+        again = Peer.connect(*consumer)
+        write_line(again.stream, {"handle": params["remote_handle"], "block_ids": [[]]})
+        reply = read_line(again.stream)
         assert not reply["ok"] and "unknown or expired" in reply["error"]
         again.close()

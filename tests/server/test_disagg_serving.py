@@ -2,7 +2,8 @@
 `python -m aserve.disagg_proxy` in front of them, on 127.0.0.1, driven by the openai SDK; for
 each connector, and the faults: the decode instance gone (the client gets the proxy's error, the
 producer's blocks come back after the lease and it keeps serving), the producer gone before the
-consumer pulls (the consumer computes the prompt itself, counted, and answers correctly)."""
+consumer pulls (the consumer computes the prompt itself, counted, and answers correctly). P2P
+instances share their secret through the environment (`helpers.disagg.start`)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,11 @@ def test_the_proxy_serves_what_one_instance_would(model_dir_factory, tmp_path, i
         "model": "tiny", "prompt": "A last one", "max_tokens": 2,
         "kv_transfer_params": first["kv_transfer_params"]})
     assert second.status_code == 200 and second.json()["kv_transfer_params"] is None
+    if connector == "P2pConnector":  # the params are the producer's, unaltered, or a 400
+        altered = {**first["kv_transfer_params"], "remote_port": 1}
+        bad = httpx.post(f"{consumer}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "A last one", "kv_transfer_params": altered})
+        assert_error(bad, 400, "kv_transfer_params", "not signed")
     bad = httpx.post(f"{consumer}/v1/completions", timeout=30, json={
         "model": "tiny", "prompt": "hi", "kv_transfer_params": {"remote_what": 1}})
     assert_error(bad, 400, "kv_transfer_params", "does not know")
