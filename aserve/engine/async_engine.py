@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from aserve.config import ModelInfo
+from aserve.core.kv_cache_utils import make_kv_cache_groups
 from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.core import run_engine_thread
+from aserve.engine.held_blocks import HeldBlocksBudget
 from aserve.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -39,6 +41,7 @@ from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
 from aserve.engine.step_log import StepLog
 from aserve.engine.tokenizer import Tokenizer
+from aserve.kv_transfer import connector_class
 from aserve.sampling_params import SamplingParams
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
@@ -53,13 +56,41 @@ class EngineDeadError(RuntimeError):
 
 class RequestStream:
     """The outputs of one request, in order; iterating ends after the finished one. Leaving
-    early (or `abort()`) aborts the request in the engine so its KV blocks come back."""
+    early (or `abort()`) aborts the request in the engine so its KV blocks come back.
+
+    Outputs a reader has not taken yet are merged into one (`RequestOutput.add`, as vLLM's
+    output collector does): a stream whose reader falls behind holds its text so far, not an
+    object per step, and the reader catches up in one read."""
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self.finished = False
+        self._pending: RequestOutput | None = None
+        self._error: Exception | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """On the loop: the next output (merged into one not yet read), or the error that
+        ends the stream after what is pending."""
+        if isinstance(item, Exception):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            self._pending.add(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The next output, everything since the last one merged; raises the stream's error
+        once no output is pending."""
+        while self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._pending is None:
+            raise self._error
+        item, self._pending = self._pending, None
+        return item
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
@@ -67,10 +98,11 @@ class RequestStream:
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                item = await self.queue.get()
-                if isinstance(item, Exception):
+                try:
+                    item = await self.get()
+                except Exception:
                     self.finished = True
-                    raise item
+                    raise
                 self.finished = item.finished
                 yield item
         finally:
@@ -80,6 +112,17 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.engine.abort(self.request_id)
+
+
+def held_blocks_budget(args: EngineArgs, ready: EngineReady) -> HeldBlocksBudget | None:
+    """The cap on blocks a KV producer holds for consumers, None where there is none."""
+    config = args.kv_transfer_config
+    cap = (None if config is None else
+           connector_class(config).max_held_blocks(config, ready.num_kv_blocks))
+    if cap is None:
+        return None
+    num_groups = len(make_kv_cache_groups(ready.model_info.layer_windows, args.block_size))
+    return HeldBlocksBudget(cap, args.block_size, num_groups)
 
 
 class AsyncEngine:
@@ -94,6 +137,7 @@ class AsyncEngine:
         self.processor: Processor | None = None
         self.num_kv_blocks = 0
         self.step_log: StepLog | None = None  # the engine thread's, once it is ready
+        self.held_blocks: HeldBlocksBudget | None = None  # a KV producer's cap, if it has one
         self.dead_error: str | None = None
         self.dead = asyncio.Event()  # set once the engine has died (not on a clean shutdown)
         self._thread: threading.Thread | None = None
@@ -164,15 +208,18 @@ class AsyncEngine:
             for output in ready:
                 stream = self.streams.get(output.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(output)
+                    stream.put(output)
                     if output.finished:
                         del self.streams[output.request_id]
+                if output.finished and self.held_blocks is not None:
+                    self.held_blocks.release(output.request_id)  # (its blocks: in the stats)
             if to_abort:
                 self.inbox.put(AbortRequests(tuple(to_abort)))
         elif isinstance(message, EngineReady):
             self.model_info = message.model_info
             self.num_kv_blocks = message.num_kv_blocks
             self.step_log = message.step_log
+            self.held_blocks = held_blocks_budget(self.args, message)
             self.processor = Processor(
                 self.tokenizer, message.model_info,
                 any_whitespace=self.args.structured_outputs_any_whitespace,
@@ -187,7 +234,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: str) -> None:
         for stream in self.streams.values():
-            stream.queue.put_nowait(EngineDeadError(error))
+            stream.put(EngineDeadError(error))
         self.streams.clear()
 
     # ------------------------------------------------------------------ requests
@@ -234,16 +281,14 @@ class AsyncEngine:
         processor = self._check_alive()
         if params.structured_outputs is None:
             params = processor.process_params(params)
-        else:  # compiling may take a while: off the loop, and bounded
-            try:
-                params = await asyncio.wait_for(
-                    asyncio.to_thread(processor.process_params, params),
-                    GRAMMAR_COMPILE_TIMEOUT_S)
-            except TimeoutError:
-                raise ValueError(f"structured_outputs took longer than "
-                                 f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s to compile.") from None
+        else:  # in the compiler's own worker processes, cheap first; killed past the timeout
+            params = await processor.process_params_async(params, GRAMMAR_COMPILE_TIMEOUT_S)
         if request_id in self.streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if self.held_blocks is not None and (params.kv_transfer_params or {}).get(
+                "do_remote_decode"):  # raises ServerBusyError past the producer's cap
+            self.held_blocks.reserve(request_id, len(processed.prompt_token_ids),
+                                     self.stats.num_held_blocks)
         parent, requests = processor.make_requests(request_id, processed, params, priority,
                                                    stream=True)
         stream = RequestStream(self, request_id)
@@ -269,6 +314,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a user request (all its completions); unknown or finished ids are ignored."""
         self.streams.pop(request_id, None)
+        if self.held_blocks is not None:
+            self.held_blocks.release(request_id)
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids:
             self.inbox.put(AbortRequests(tuple(child_ids)))

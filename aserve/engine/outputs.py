@@ -30,6 +30,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, later: CompletionOutput) -> None:
+        """Append the delta that came after this one (their tokens, text and logprobs)."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.cumulative_logprob = later.cumulative_logprob
+        self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
 
 @dataclass
 class RequestOutput:
@@ -44,3 +53,21 @@ class RequestOutput:
     # A KV producer's answer once finished (what a consumer needs to load this prompt's K/V:
     # vLLM's `kv_transfer_params`); None otherwise
     kv_transfer_params: dict[str, Any] | None = None
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge the delta that came after this one into it, as if they had come as one: a
+        stream's reader that falls behind then finds one output, not one per step."""
+        by_index = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            if completion.index in by_index:
+                by_index[completion.index].add(completion)
+            else:
+                self.outputs.append(completion)
+                by_index[completion.index] = completion
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        if later.kv_transfer_params is not None:
+            self.kv_transfer_params = later.kv_transfer_params

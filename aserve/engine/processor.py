@@ -7,6 +7,7 @@ structured-output constraint is compiled here too (a bad one is a ValueError).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 from collections.abc import Mapping
@@ -17,7 +18,11 @@ from aserve.core.request import Request
 from aserve.engine.output_processor import ParentRequest
 from aserve.engine.tokenizer import Tokenizer
 from aserve.kv_transfer import check_params
-from aserve.sampling_params import MAX_CACHE_SALT_CHARS, SamplingParams
+from aserve.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from aserve.structured_output import GrammarCompiler
 
 PromptType = str | Mapping
@@ -104,8 +109,11 @@ class Processor:
             raise ValueError(f"Token id {bad} in {field_name} is out of vocabulary "
                              f"(the model has {vocab_size} tokens).")
 
-    def process_params(self, params: SamplingParams) -> SamplingParams:
-        """A copy of `params` checked against the model and given its EOS token ids."""
+    def process_params(self, params: SamplingParams,
+                       compile_grammar: bool = True) -> SamplingParams:
+        """A copy of `params` checked against the model and given its EOS token ids; its
+        constraint compiled, blocking, unless `compile_grammar` is False (the server compiles
+        with `process_params_async`)."""
         if params.logit_bias:
             self.check_token_ids(params.logit_bias, "logit_bias")
         if params.stop_token_ids:
@@ -117,14 +125,38 @@ class Processor:
         params.eos_token_ids = self.model_info.eos_token_ids
         if params.kv_transfer_params is not None:
             self._check_kv_transfer_params(params)
-        spec = params.structured_outputs
-        if spec is not None and params.compiled_grammar is None:
-            if not self.any_whitespace and not spec.disable_any_whitespace:
-                spec = replace(spec, disable_any_whitespace=True)
-            start_after = (self.tokenizer.encode(spec.start_after, add_special_tokens=False)
-                           if spec.start_after else None)
-            params.compiled_grammar = self.grammar_compiler().compile(spec, start_after)
+        spec = self._grammar_spec(params)
+        if spec is not None and compile_grammar:
+            params.compiled_grammar = self.grammar_compiler().compile(
+                spec, self._start_after_ids(spec))
         return params
+
+    async def process_params_async(self, params: SamplingParams,
+                                   compile_timeout: float) -> SamplingParams:
+        """`process_params` for the event loop: the constraint compiles in the compiler's
+        worker processes (no thread of the loop's waits on it), cheap ones first; one still
+        compiling after `compile_timeout` seconds is killed and refused (ValueError)."""
+        params = self.process_params(params, compile_grammar=False)
+        spec = self._grammar_spec(params)
+        if spec is not None:
+            compiler = self._grammar_compiler or await asyncio.to_thread(self.grammar_compiler)
+            params.compiled_grammar = await compiler.compile_async(
+                spec, self._start_after_ids(spec), compile_timeout)
+        return params
+
+    def _grammar_spec(self, params: SamplingParams) -> StructuredOutputsParams | None:
+        """The constraint to compile for `params` (none if compiled already), its JSON compact
+        unless the server allows free whitespace."""
+        spec = params.structured_outputs
+        if spec is None or params.compiled_grammar is not None:
+            return None
+        if not self.any_whitespace and not spec.disable_any_whitespace:
+            spec = replace(spec, disable_any_whitespace=True)
+        return spec
+
+    def _start_after_ids(self, spec: StructuredOutputsParams) -> list[int] | None:
+        return (self.tokenizer.encode(spec.start_after, add_special_tokens=False)
+                if spec.start_after else None)
 
     def _check_kv_transfer_params(self, params: SamplingParams) -> None:
         """Against this engine's KV connector; the engine gets a copy of its own."""
@@ -134,7 +166,8 @@ class Processor:
         params.kv_transfer_params = copy.deepcopy(params.kv_transfer_params)
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """The compiler of constraints for this tokenizer (cached compiled grammars inside)."""
+        """The compiler of constraints for this tokenizer (cached compiled grammars and its
+        worker processes inside)."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
                 self._grammar_compiler = GrammarCompiler(

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from aserve.engine.outputs import Logprob, RequestOutput
 from aserve.server.protocol import (
@@ -25,13 +25,13 @@ from aserve.server.serving import (
     Generation,
     check_model,
     collect_or_abort,
+    event_stream,
     merged_outputs,
     parse_body,
     process_prompt,
     running_engine,
     sampling_params_for,
     server_state,
-    sse_events,
     start_generations,
 )
 
@@ -60,8 +60,7 @@ async def create_completion(request: Request) -> Response:
                                           body.priority)
     view = CompletionView(body, server_state(request).model_name, request_id, engine.tokenizer)
     if body.stream:
-        return StreamingResponse(sse_events(view.stream(generations)),
-                                 media_type="text/event-stream")
+        return event_stream(request, view.stream(generations), generations)
     results = await collect_or_abort(request, generations)
     return JSONResponse(view.response(generations, results).model_dump())
 

@@ -30,7 +30,6 @@ from pydantic import (
 
 from aserve.sampling_params import SamplingParams
 from aserve.server.fields import (
-    CacheSalt,
     MAX_CHAT_MESSAGES,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
@@ -39,6 +38,7 @@ from aserve.server.fields import (
     MAX_TOKEN_ID_DIGITS,
     MAX_TOTAL_CHOICES,
     Bias,
+    CacheSalt,
     Int64,
     LogprobCount,
     NonNegativeInt,

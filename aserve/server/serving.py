@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -13,8 +14,10 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import StreamingResponse
 
 from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from aserve.engine.held_blocks import ServerBusyError
 from aserve.engine.outputs import RequestOutput
 from aserve.engine.processor import ProcessedPrompt
 from aserve.sampling_params import SamplingParams
@@ -22,6 +25,7 @@ from aserve.server.errors import ErrorResponse, ServerError
 from aserve.server.metrics import RequestTracker
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+logger = logging.getLogger(__name__)
 
 
 def server_state(request: Request):
@@ -49,7 +53,8 @@ async def parse_body(request: Request, cls: type[ModelT]) -> ModelT:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
-                raise ServerError(f"The request body is larger than {limit} bytes.", 413)
+                raise ServerError(f"The request body is larger than {limit} bytes.", 413,
+                                  headers={"Connection": "close"})  # (the rest is not read)
     except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing to log
         raise ServerError("The client disconnected before sending its body.", 499) from None
     return cls.model_validate_json(bytes(body))  # ValidationError → 400 by its handler
@@ -140,6 +145,10 @@ async def start_generations(request: Request, engine: AsyncEngine, request_id: s
     except EngineDeadError as e:
         abort_all(generations)
         raise ServerError(str(e), 503) from e
+    except ServerBusyError as e:
+        abort_all(generations)
+        state.metrics.on_rejected()
+        raise ServerError(str(e), 503, headers={"Retry-After": str(RETRY_AFTER_S)}) from e
     return generations
 
 
@@ -151,15 +160,18 @@ def abort_all(generations: list[Generation]) -> None:
 async def merged_outputs(generations: list[Generation]
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(generation index, delta) as they arrive from every generation; aborts all on exit."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # Bounded: a pump waits while the reader is behind, and what its stream receives meanwhile
+    # is merged there (`RequestStream.put`): a slow reader costs its text, not a queue a step.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
+        maxsize=max(1, len(generations)))
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for output in stream:
-                queue.put_nowait((i, output))
-            queue.put_nowait((i, None))
+                await queue.put((i, output))
+            await queue.put((i, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, g.stream)) for i, g in enumerate(generations)]
     remaining = len(tasks)
@@ -234,6 +246,52 @@ async def collect_or_abort(request: Request, generations: list[Generation]
 
 
 DONE = "data: [DONE]\n\n"
+
+
+def event_stream(request: Request, chunks: AsyncIterator[BaseModel],
+                 generations: list[Generation]) -> EventStream:
+    return EventStream(chunks, generations, server_state(request).config.stream_stall_timeout)
+
+
+class EventStream(StreamingResponse):
+    """A server-sent-event response whose client must keep reading. A write waits only while
+    the connection's buffers are full (the client reads nothing); one that waits longer than
+    `stall_timeout` seconds aborts the generations, so their running slots and KV blocks come
+    back, and the connection is closed. (Before, 4 such streams of n=64 held all 256 slots
+    until they had generated everything.)"""
+
+    def __init__(self, chunks: AsyncIterator[BaseModel], generations: list[Generation],
+                 stall_timeout: float | None) -> None:
+        super().__init__(sse_events(chunks), media_type="text/event-stream")
+        self.generations, self.stall_timeout = generations, stall_timeout
+
+    async def stream_response(self, send) -> None:
+        if not self.stall_timeout:
+            return await super().stream_response(send)
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        stalled = False
+
+        def give_up() -> None:
+            nonlocal stalled
+            stalled = True
+            task.cancel()
+
+        async def send_or_give_up(message) -> None:
+            # a timer, not wait_for: 4 us a write instead of 22 (wait_for makes a task)
+            timer = loop.call_later(self.stall_timeout, give_up)
+            try:
+                await send(message)
+            finally:
+                timer.cancel()
+
+        try:
+            await super().stream_response(send_or_give_up)
+        except asyncio.CancelledError:
+            if not stalled:
+                raise
+            abort_all(self.generations)
+            logger.warning("A stream's client read nothing for %g s: its request is aborted "
+                           "and the connection closed", self.stall_timeout)
 
 
 async def sse_events(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:

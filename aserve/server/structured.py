@@ -8,7 +8,8 @@
     guided_json, guided_regex, guided_choice, guided_grammar                 (vLLM, older)
 
 At most one constraint per request (two are a 400 naming both). The constraint itself (a schema,
-a regex, a grammar) is compiled, and refused if bad, by the engine's processor.
+a regex, a grammar) is compiled, and refused if bad, too large or too slow to compile, by the
+engine's processor (a 400 naming `structured_outputs.<kind>`, whichever field carried it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""llguidance behind three small pieces: `GrammarCompiler` (a request's constraint -> a checked
-grammar, for one tokenizer), `GrammarMatcher` (one request's position in it) and
-`apply_token_bitmask` (a torch op: disallowed tokens' logits to -inf, on any device).
+"""The runner's side of llguidance: `GrammarMatcher` (one request's position in a compiled
+grammar, `compiler.py`) and the token-bitmask ops (`fill_token_bitmask`; `apply_token_bitmask`,
+a torch op: disallowed tokens' logits to -inf, on any device).
 
 The token bitmask is int32 [rows, ceil(vocab / 32)], bit j of word w set where token 32 w + j
 is allowed (llguidance's and xgrammar's layout). Tokens past the tokenizer's vocabulary (a
@@ -16,121 +16,11 @@ takes the tokenizer's JSON as it is, and it checks a grammar against the tokeniz
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from aserve.sampling_params import StructuredOutputsParams
-
-
-class GrammarCompiler:
-    """Turns constraints into llguidance grammars for one tokenizer (`tokenizers.Tokenizer`)
-    and a model vocabulary of `vocab_size` rows; `stop_token_ids` end a completed grammar.
-    `compile` returns the grammar checked against the tokenizer (cached by constraint)."""
-
-    def __init__(self, backend_tokenizer: Any, vocab_size: int,
-                 stop_token_ids: tuple[int, ...] | list[int]) -> None:
-        import llguidance
-
-        self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(backend_tokenizer.to_str(), n_vocab=vocab_size,
-                                                eos_token=list(stop_token_ids) or None)
-        self._cache: dict[str, str] = {}
-
-    def compile(self, spec: StructuredOutputsParams,
-                start_after_ids: list[int] | None = None) -> CompiledGrammar:
-        """The checked grammar of `spec`; ValueError naming the field for a bad constraint.
-        `start_after_ids`: the tokens after which it applies (free generation until then)."""
-        import llguidance
-
-        kind = spec.kind
-        key = json.dumps([kind, getattr(spec, kind), spec.disable_any_whitespace],
-                         sort_keys=True)
-        if key not in self._cache:
-            grammar = self._grammar(spec, kind)
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-            if error:
-                raise ValueError(f"structured_outputs.{kind} could not be compiled: "
-                                 f"{_first_line(error)}")
-            self._cache[key] = grammar
-        return CompiledGrammar(self.tokenizer, self._cache[key], start_after_ids or [])
-
-    def _grammar(self, spec: StructuredOutputsParams, kind: str) -> str:
-        import llguidance
-
-        options = {"whitespace_flexible": not spec.disable_any_whitespace}
-        try:
-            if kind == "json":
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    _json_schema(spec.json), defaults=options)
-            if kind == "json_object":
-                return llguidance.LLMatcher.grammar_from_json_schema(
-                    {"type": "object"}, defaults=options)
-            if kind == "regex":
-                return llguidance.grammar_from("regex", spec.regex)
-            if kind == "choice":
-                return llguidance.grammar_from("choice", json.dumps(spec.choice))
-            if kind == "grammar":  # Lark, or GBNF / EBNF (`root ::= ...`)
-                return llguidance.grammar_from("grammar", spec.grammar)
-            return _structural_tag(spec.structural_tag)
-        except Exception as e:  # llguidance's parse errors (ours name the field already)
-            if str(e).startswith("structured_outputs"):
-                raise
-            raise ValueError(f"structured_outputs.{kind} could not be compiled: "
-                             f"{_first_line(e)}") from None
-
-
-class CompiledGrammar:
-    """A checked grammar and the tokenizer it is for: what a request's matcher starts from;
-    `start_after_ids` (possibly empty): the tokens after which the grammar applies."""
-
-    def __init__(self, tokenizer: Any, grammar: str, start_after_ids: list[int]) -> None:
-        self.tokenizer, self.grammar = tokenizer, grammar
-        self.start_after_ids = list(start_after_ids)
-
-
-def _structural_tag(value: str | dict[str, Any]) -> str:
-    """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}:
-    free text in which each trigger starts a begin-schema-end segment."""
-    import llguidance
-
-    tag = json.loads(value) if isinstance(value, str) else value
-    if not isinstance(tag, dict) or not tag.get("structures") or not tag.get("triggers"):
-        raise ValueError("structured_outputs.structural_tag needs structures and triggers.")
-    tags = []
-    for item in tag["structures"]:
-        trigger = next((t for t in tag["triggers"] if item["begin"].startswith(t)), None)
-        if trigger is None:
-            raise ValueError(f"structured_outputs.structural_tag: no trigger starts "
-                             f"{item['begin']!r}.")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"],
-                                         grammar=item.get("schema") or {}, end=item["end"]))
-    return llguidance.StructTag.to_grammar(tags)
-
-
-def _json_schema(value: str | dict[str, Any]) -> dict[str, Any] | bool:
-    """The schema as an object, checked against its own metaschema (jsonschema)."""
-    import jsonschema
-
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-    if not isinstance(value, dict | bool):
-        raise ValueError("structured_outputs.json must be a JSON schema object.")
-    try:
-        jsonschema.validators.validator_for(value).check_schema(value)
-    except jsonschema.SchemaError as e:
-        raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
-                         f"{e.message}") from None
-    return value
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]
+from aserve.structured_output.compiler import CompiledGrammar
 
 
 class GrammarMatcher:

@@ -117,7 +117,7 @@ def test_an_engine_thread_failure_fails_in_flight_requests_and_marks_it_dead(
         engine = await started(model_dir_factory("llama"))
         stream = await engine.add_request("r", "Hello", SamplingParams(
             max_tokens=500, ignore_eos=True))
-        first = await stream.queue.get()  # the engine is running this request
+        first = await stream.get()  # the engine is running this request
         assert not first.finished
 
         def boom(self, scheduler_output):

@@ -114,6 +114,12 @@ BAD = [
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one"),
     ({"response_format": {"type": "xml"}}, None, ""),
+    ({"guided_choice": [str(i) for i in range(10_001)]}, "structured_outputs.choice",
+     "at most 10000"),
+    ({"structured_outputs": {"json": {"enum": ["x" * 1000] * 1100}}}, "structured_outputs.json",
+     "characters long as JSON"),
+    ({"guided_grammar": "start: " + "|".join(f'"a{i}"' for i in range(30_000))},
+     "structured_outputs.grammar", "grammar size"),
 ]
 
 
@@ -138,3 +144,24 @@ def test_a_compile_that_takes_too_long_is_a_400_and_blocks_nobody(url, monkeypat
     plain = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                        json={"model": "tiny", "messages": MESSAGES, "max_tokens": 3})
     assert plain.status_code == 200
+
+
+def test_a_constraint_that_crashes_the_compiler_is_a_400_and_the_server_lives_on(url):
+    """Rules nested 5,000 deep overflow llguidance's stack: a SIGSEGV, of a compile worker."""
+    rules = "\n".join(f'r{i}: "a" r{i + 1}? | "b"' for i in range(5000))
+    payload = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5,
+               "guided_grammar": f'start: r0\n{rules}\nr5000: "z"'}
+    response = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
+    assert_error(response, 400, param="structured_outputs.grammar", contains="crashed")
+    out = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 5, "guided_choice": ["up", "down"]})
+    assert out.status_code == 200 and out.json()["choices"][0]["message"]["content"] in (
+        "up", "down")
+
+
+def test_hundreds_of_choices_are_answered_with_one_of_them(client):
+    choices = [f"city number {i}" for i in range(600)]
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, seed=6,
+                                         temperature=1.0, max_tokens=20,
+                                         extra_body={"guided_choice": choices})
+    assert out.choices[0].message.content in choices

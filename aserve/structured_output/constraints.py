@@ -1,0 +1,126 @@
+"""A request's constraint as the text of a compile job, and that job's work: the llguidance
+grammar of the constraint, checked against the tokenizer. Torch-free: the compile worker
+process (`compile_worker.py`) imports this module and llguidance only.
+
+    constraint_job(spec)               frontend: size caps (ValueError naming the field), the
+                                       job's JSON text (also the cache key)
+    compile_job(text, tokenizer, ...)  worker: {"grammar": ...} or {"error": "structured_outputs.
+                                       <kind> could not be compiled: ..."}
+
+The caps come before any parsing: a choice of at most `MAX_CHOICES` entries, a constraint of at
+most `MAX_CONSTRAINT_CHARS` characters as JSON; llguidance itself refuses a grammar of more than
+`MAX_GRAMMAR_SYMBOLS` symbols (its limit, ten times below its default).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aserve.sampling_params import StructuredOutputsParams
+
+MAX_CHOICES = 10_000  # entries of a `choice`
+MAX_CONSTRAINT_CHARS = 1 << 20  # a constraint's JSON text (schema, regex, grammar, choices)
+MAX_GRAMMAR_SYMBOLS = 20_000  # llguidance's `max_grammar_size` (its default: 500,000)
+
+
+def constraint_job(spec: StructuredOutputsParams) -> str:
+    """The JSON text a worker compiles `spec` from: [kind, value, disable_any_whitespace].
+    ValueError naming the field for one over the caps. Key order is kept: a schema's property
+    order is its output's."""
+    kind = spec.kind
+    value = getattr(spec, kind)
+    if kind == "choice" and len(value) > MAX_CHOICES:
+        raise ValueError(f"structured_outputs.choice has {len(value)} entries; at most "
+                         f"{MAX_CHOICES} are allowed.")
+    text = json.dumps([kind, value, spec.disable_any_whitespace], ensure_ascii=False)
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"structured_outputs.{kind} is {len(text)} characters long as JSON; "
+                         f"at most {MAX_CONSTRAINT_CHARS} are allowed.")
+    return text
+
+
+def compile_job(text: str, tokenizer: Any, limits: Any) -> dict[str, str]:
+    """{"grammar": llguidance's grammar} of a `constraint_job` text, checked against
+    `tokenizer` (an `llguidance.LLTokenizer`) under `limits` (`LLParserLimits`); or {"error":
+    the message of the 400}."""
+    import llguidance
+
+    kind, value, disable_any_whitespace = json.loads(text)
+    try:
+        grammar = grammar_of(kind, value, disable_any_whitespace)
+    except ValueError as e:
+        return {"error": str(e)}
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
+    if error:
+        return {"error": f"structured_outputs.{kind} could not be compiled: {first_line(error)}"}
+    return {"grammar": grammar}
+
+
+def grammar_of(kind: str, value: Any, disable_any_whitespace: bool) -> str:
+    """llguidance's grammar of one constraint, unchecked; ValueError naming the field."""
+    import llguidance
+
+    options = {"whitespace_flexible": not disable_any_whitespace}
+    try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(_json_schema(value),
+                                                                 defaults=options)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=options)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", value)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(value))
+        if kind == "grammar":  # Lark, or GBNF / EBNF (`root ::= ...`)
+            return llguidance.grammar_from("grammar", value)
+        return _structural_tag(value)
+    except Exception as e:  # llguidance's parse errors (ours name the field already)
+        if str(e).startswith("structured_outputs"):
+            raise ValueError(str(e)) from None
+        raise ValueError(f"structured_outputs.{kind} could not be compiled: "
+                         f"{first_line(e)}") from None
+
+
+def _structural_tag(value: str | dict[str, Any]) -> str:
+    """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}:
+    free text in which each trigger starts a begin-schema-end segment."""
+    import llguidance
+
+    tag = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(tag, dict) or not tag.get("structures") or not tag.get("triggers"):
+        raise ValueError("structured_outputs.structural_tag needs structures and triggers.")
+    tags = []
+    for item in tag["structures"]:
+        trigger = next((t for t in tag["triggers"] if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"structured_outputs.structural_tag: no trigger starts "
+                             f"{item['begin']!r}.")
+        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"],
+                                         grammar=item.get("schema") or {}, end=item["end"]))
+    return llguidance.StructTag.to_grammar(tags)
+
+
+def _json_schema(value: str | dict[str, Any]) -> dict[str, Any] | bool:
+    """The schema as an object, checked against its own metaschema (jsonschema)."""
+    import jsonschema
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError("structured_outputs.json must be a JSON schema object.")
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as e:
+        raise ValueError(f"structured_outputs.json is not a valid JSON schema: "
+                         f"{e.message}") from None
+    return value
+
+
+def first_line(error: Exception | str) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0][:300]
