@@ -4,7 +4,8 @@ It loads `tokenizer.json` with the `tokenizers` library and applies what `tokeni
 (plus `special_tokens_map.json`, `chat_template.jinja` and `generation_config.json`) says the way
 transformers' `PreTrainedTokenizerFast` does, so that `encode`, `decode` and
 `apply_chat_template(..., tokenize=False)` give what `AutoTokenizer` gives. Chat templates are
-rendered in jinja2's immutable sandbox with the globals and filters HF templates expect.
+rendered by `chat_template.render`: jinja2's immutable sandbox, bounded, with the globals and
+filters HF templates expect.
 
 It is not a port of transformers' model-specific tokenizer classes (those that rebuild the
 tokenizer from a vocab file): a directory is trusted to ship a complete `tokenizer.json`.
@@ -14,18 +15,15 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Mapping
-from datetime import datetime
-from functools import cached_property, lru_cache
+from collections.abc import Iterable, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
+
+from aserve.engine.chat_template import render as render_template
 
 SPECIAL_TOKEN_ATTRS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -198,15 +196,15 @@ class Tokenizer:
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
                             **kwargs: Any) -> str:
         """Render `messages` to prompt text, as transformers' `apply_chat_template(...,
-        tokenize=False)` does. Extra keyword arguments become template variables."""
+        tokenize=False)` does, within `chat_template`'s bounds (`TemplateLimitError` past
+        them). Extra keyword arguments become template variables."""
         template = self.get_chat_template(chat_template, tools)
         if not messages:
             raise ValueError("Cannot apply a chat template to an empty list of messages.")
         chat = [_normalize_message(m) for m in messages]
         variables = {**self.special_tokens_map, **kwargs}
-        return _compile_template(template).render(
-            messages=chat, tools=tools, documents=documents,
-            add_generation_prompt=add_generation_prompt, **variables)
+        return render_template(template, messages=chat, tools=tools, documents=documents,
+                               add_generation_prompt=add_generation_prompt, **variables)
 
     # ----------------------------------------------------------------------------- loading
 
@@ -286,73 +284,3 @@ def _normalize_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
     return out
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (assistant-mask markers): rendered as its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Callable[[], str]) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """`dict(...)` for templates, without exposing the type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore-prefixed attributes."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        super().__init__(attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        super().__setitem__(name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates may not set underscore-prefixed names, got {name!r}.")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja2's own tojson escapes HTML characters; chat templates want plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=32)
-def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now,
-                       dict=_TemplateDict(), namespace=_TemplateNamespace)
-    return env.from_string(source)

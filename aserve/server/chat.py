@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
+from aserve.engine.chat_template import MAX_REQUEST_TEMPLATE_BYTES, describe_error
 from aserve.engine.outputs import RequestOutput
 from aserve.server.errors import ServerError
 from aserve.server.protocol import (
@@ -38,36 +39,60 @@ from aserve.server.serving import (
     Generation,
     check_model,
     collect_or_abort,
+    event_stream,
     merged_outputs,
     parse_body,
     process_prompt,
     running_engine,
     sampling_params_for,
     server_state,
-    sse_events,
     start_generations,
 )
 from aserve.server.tool_parsers import ReplyTools, ToolParser, get_tool_parser
 
 
 async def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:
-    """The prompt text of a chat body. A template the request brings is compiled and rendered
-    in a worker thread: jinja2's sandbox bounds what it may touch, not how long it loops, and
-    the event loop keeps serving everyone else meanwhile."""
+    """The prompt text of a chat body, or a 400 before the engine sees it. A template the
+    request brings (`chat_template`, or `chat_template_kwargs.chat_template` as vLLM reads it)
+    is refused unless the server trusts them (`--trust-request-chat-template`); a trusted one is
+    compiled and rendered in a worker thread, so the event loop keeps serving everyone else
+    while it runs within its bounds (`aserve/engine/chat_template.py`)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    from_kwargs = kwargs.pop("chat_template", None)
     own = getattr(body, "chat_template", None)
+    own = from_kwargs if own is None else own
+    if own is not None:
+        _check_request_template(own, server_state(request).config, engine.tokenizer)
     template = own or server_state(request).chat_template
 
     def render() -> str:
         return engine.tokenizer.apply_chat_template(
             body.template_messages(), add_generation_prompt=body.add_generation_prompt,
             chat_template=template, tools=getattr(body, "template_tools", lambda: None)(),
-            **(body.chat_template_kwargs or {}))
+            **kwargs)
 
     try:
         return await asyncio.to_thread(render) if own else render()
     except Exception as e:  # noqa: BLE001 - a template (maybe the request's own) failed on it
-        raise ServerError(f"The chat template could not be applied: {type(e).__name__}: {e}",
-                          400, "messages") from e
+        raise ServerError(f"The chat template could not be applied: {describe_error(e)}",
+                          400, "chat_template" if own else "messages") from e
+
+
+def _check_request_template(source: object, config, tokenizer) -> None:
+    """A request's own template: the name of one of the model's (always allowed), or a
+    template the server trusts, of at most MAX_REQUEST_TEMPLATE_BYTES."""
+    if not isinstance(source, str):
+        raise ServerError("chat_template must be a string.", 400, "chat_template")
+    if isinstance(tokenizer.chat_template, dict) and source in tokenizer.chat_template:
+        return
+    if not config.trust_request_chat_template:
+        raise ServerError("This server does not accept a chat template in the request; its "
+                          "operator may allow them with --trust-request-chat-template.",
+                          400, "chat_template")
+    size = len(source.encode("utf-8", "surrogatepass"))
+    if size > MAX_REQUEST_TEMPLATE_BYTES:
+        raise ServerError(f"chat_template is {size} bytes; at most "
+                          f"{MAX_REQUEST_TEMPLATE_BYTES} are accepted.", 400, "chat_template")
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -99,8 +124,7 @@ async def create_chat_completion(request: Request) -> Response:
     view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer,
                     parser if body.tool_mode == "auto" else None, reasoning)
     if body.stream:
-        return StreamingResponse(sse_events(view.stream(generations)),
-                                 media_type="text/event-stream")
+        return event_stream(request, view.stream(generations), generations)
     results = await collect_or_abort(request, generations)
     return JSONResponse(view.response(generations[0], results[0]).model_dump())
 

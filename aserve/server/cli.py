@@ -51,7 +51,8 @@ ENGINE_HELP = {
                           "e.g. '{\"kv_connector\": \"P2pConnector\", \"kv_role\": "
                           "\"kv_producer\", \"kv_port\": 14579}' or SharedStorageConnector "
                           "with kv_connector_extra_config.shared_storage_path; kv_role "
-                          "kv_producer | kv_consumer | kv_both (default: none)",
+                          "kv_producer | kv_consumer | kv_both; P2pConnector needs the shared "
+                          "secret in $ASERVE_KV_SECRET (default: none)",
     "model": "a HF model directory (config.json, *.safetensors, tokenizer.json) or a hub id "
              "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1 (default: the "
              "built-in demo model, served as aserve-demo)",
@@ -180,8 +181,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "0.0.0.0 listens on every interface)")
     group.add_argument("--port", type=int, default=8000, metavar="N", help="(default: 8000)")
     group.add_argument("--api-key", default=None, metavar="KEY",
-                       help=f"require `Authorization: Bearer KEY` on /v1 routes (default: "
-                            f"${API_KEY_ENV} if set, else no key)")
+                       help=f"require `Authorization: Bearer KEY` on /v1 routes, /tokenize "
+                            f"and /detokenize (default: ${API_KEY_ENV} if set, else no key)")
     group.add_argument("--chat-template", default=None, metavar="TEMPLATE",
                        help="a Jinja chat template, or a file holding one (default: the "
                             "tokenizer's)")

@@ -181,7 +181,7 @@ def _error_components(refs: dict) -> dict[str, dict]:
 
 
 def _settings(app: Any) -> tuple[bool, bool]:
-    """(an API key guards /v1 and the dashboard's figures, a request timeout is set) for the
+    """(an API key guards the routes `needs_api_key` names, a request timeout is set) for the
     app, if it is aserve's."""
     state = getattr(app.state, "aserve", None)
     config = getattr(state, "config", None)

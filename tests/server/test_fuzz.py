@@ -389,7 +389,8 @@ def test_openapi_with_an_api_key_marks_v1_as_secured(model_dir_factory):
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["security"] == [{"bearerAuth": []}]
     assert {"401", "504"} <= set(completions["responses"])
-    assert "security" not in doc["paths"]["/tokenize"]["post"]  # only /v1 and the figures
+    assert doc["paths"]["/tokenize"]["post"]["security"] == [{"bearerAuth": []}]  # templates
+    assert "security" not in doc["paths"]["/health"]["get"]
     assert doc["paths"]["/dashboard/stats"]["get"]["security"] == [{"bearerAuth": []}]
 
 

@@ -60,7 +60,8 @@ THINK_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 def test_served_reasoning_content_streamed_and_not(llama_dir):
     from openai import OpenAI
 
-    config = ServerConfig(served_model_name="tiny", reasoning_parser="qwen3")
+    config = ServerConfig(served_model_name="tiny", reasoning_parser="qwen3",
+                          trust_request_chat_template=True)
     forced = r"<think>Deep (thought|idea)\.</think>The answer is [0-9]\."
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Why?"}],
                   temperature=1.0, seed=2, max_tokens=120,
