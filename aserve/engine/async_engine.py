@@ -12,6 +12,7 @@ thread never touches an asyncio object; this side never touches the scheduler.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import threading
@@ -47,6 +48,7 @@ from aserve.sampling_params import SamplingParams
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
 MAX_INLINE_TOKENIZE_CHARS = 2000
 TOKENIZE_THREADS = 2
+MAX_PENDING_OUTPUTS = 64  # unread outputs a stream keeps apart; later ones merge into the last
 GRAMMAR_COMPILE_TIMEOUT_S = float(os.environ.get("ASERVE_GRAMMAR_COMPILE_TIMEOUT", 30))  # then 400
 
 
@@ -58,39 +60,38 @@ class RequestStream:
     """The outputs of one request, in order; iterating ends after the finished one. Leaving
     early (or `abort()`) aborts the request in the engine so its KV blocks come back.
 
-    Outputs a reader has not taken yet are merged into one (`RequestOutput.add`, as vLLM's
-    output collector does): a stream whose reader falls behind holds its text so far, not an
-    object per step, and the reader catches up in one read."""
+    A reader that keeps up gets each output as it came. Past MAX_PENDING_OUTPUTS unread, the
+    newest is merged into the last one waiting (`RequestOutput.add`, as vLLM's output
+    collector merges them): a stream whose reader falls far behind holds its text so far and a
+    bounded number of objects, not one per step."""
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
         self.engine = engine
         self.request_id = request_id
         self.finished = False
-        self._pending: RequestOutput | None = None
+        self._pending: collections.deque[RequestOutput] = collections.deque()
         self._error: Exception | None = None
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | Exception) -> None:
-        """On the loop: the next output (merged into one not yet read), or the error that
-        ends the stream after what is pending."""
+        """On the loop: the next output, or the error that ends the stream after what is
+        pending."""
         if isinstance(item, Exception):
             self._error = item
-        elif self._pending is None:
-            self._pending = item
+        elif len(self._pending) < MAX_PENDING_OUTPUTS:
+            self._pending.append(item)
         else:
-            self._pending.add(item)
+            self._pending[-1].add(item)
         self._ready.set()
 
     async def get(self) -> RequestOutput:
-        """The next output, everything since the last one merged; raises the stream's error
-        once no output is pending."""
-        while self._pending is None and self._error is None:
+        """The next output; raises the stream's error once no output is pending."""
+        while not self._pending and self._error is None:
             self._ready.clear()
             await self._ready.wait()
-        if self._pending is None:
+        if not self._pending:
             raise self._error
-        item, self._pending = self._pending, None
-        return item
+        return self._pending.popleft()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()

@@ -161,7 +161,8 @@ async def merged_outputs(generations: list[Generation]
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(generation index, delta) as they arrive from every generation; aborts all on exit."""
     # Bounded: a pump waits while the reader is behind, and what its stream receives meanwhile
-    # is merged there (`RequestStream.put`): a slow reader costs its text, not a queue a step.
+    # waits there, merged past 64 (`RequestStream.put`): a slow reader costs its text, not a
+    # queue a step.
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
         maxsize=max(1, len(generations)))
 

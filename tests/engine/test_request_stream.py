@@ -1,11 +1,12 @@
-"""`RequestStream`: outputs its reader has not taken are merged into one, so a stream whose
-reader falls behind holds its text so far, not an object per engine step."""
+"""`RequestStream`: a reader that keeps up gets every output as it came; past
+MAX_PENDING_OUTPUTS unread, later outputs merge into the last one waiting, so a stream whose
+reader falls behind holds its text so far and a bounded number of objects, not one per step."""
 
 from __future__ import annotations
 
 import asyncio
 
-from aserve.engine.async_engine import EngineDeadError, RequestStream
+from aserve.engine.async_engine import MAX_PENDING_OUTPUTS, EngineDeadError, RequestStream
 from aserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -28,24 +29,27 @@ def output(step: int, indexes=(0, 1), finished=False, prompt_logprobs=None) -> R
                          finished)
 
 
-def test_unread_outputs_merge_into_one_per_choice():
+def test_outputs_come_apart_until_the_backlog_is_long_then_merge():
     async def main():
         engine = FakeEngine()
         stream = RequestStream(engine, "r")
         stream.put(output(0, prompt_logprobs=[None, {2: Logprob(-0.5)}]))
         for step in range(1, 1000):
             stream.put(output(step, indexes=(1,) if step % 2 else (0, 1)))
-        merged = await stream.get()
-        assert stream._pending is None  # one object held, whatever the backlog
-        texts = {c.index: c for c in merged.outputs}
-        assert texts[0].text == "".join(f"<0.{s}>" for s in range(0, 1000, 2))
-        assert texts[1].token_ids == list(range(1000))
-        assert len(texts[1].logprobs) == 1000 and texts[1].cumulative_logprob == -999.0
-        assert merged.prompt_logprobs[1][2].logprob == -0.5  # the first output's, kept
         stream.put(output(1000, finished=True))
-        rest = [o async for o in stream]
-        assert len(rest) == 1 and rest[0].finished
-        assert [c.finish_reason for c in rest[0].outputs] == ["length", "length"]
+        assert len(stream._pending) == MAX_PENDING_OUTPUTS  # whatever the backlog
+        outputs = [o async for o in stream]
+        assert len(outputs) == MAX_PENDING_OUTPUTS and outputs[-1].finished
+        for step, item in enumerate(outputs[:-1]):  # each as it came
+            assert [c.token_ids for c in item.outputs if c.index == 1] == [[step]]
+        merged = {c.index: c for c in outputs[-1].outputs}
+        first = MAX_PENDING_OUTPUTS - 1  # the step whose output took the rest
+        assert merged[1].token_ids == list(range(first, 1001))
+        assert merged[0].text == "".join(f"<0.{s}>" for s in range(first, 1001)
+                                         if s % 2 == 0 or s == 1000)
+        assert len(merged[1].logprobs) == 1001 - first and merged[1].cumulative_logprob == -1000
+        assert [c.finish_reason for c in outputs[-1].outputs] == ["length", "length"]
+        assert outputs[0].prompt_logprobs[1][2].logprob == -0.5
         assert engine.aborted == []  # finished: nothing to abort
 
     asyncio.run(main())
