@@ -11,9 +11,13 @@
 ARG VARIANT=cpu
 # A CUDA 12 image with torch >= 2.6 and Python >= 3.10; override with --build-arg GPU_BASE=...
 ARG GPU_BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
+# The CPU variant's base image and where its torch comes from (a mirror, or a local index)
+ARG CPU_BASE=python:3.11-slim
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
-FROM python:3.11-slim AS base-cpu
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+FROM ${CPU_BASE} AS base-cpu
+ARG TORCH_INDEX_URL
+RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX_URL}
 
 FROM ${GPU_BASE} AS base-gpu
 
