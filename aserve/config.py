@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses shared by every package.
 
-`SchedulerConfig` and `CacheConfig` hold numbers only: they are what `aserve/core` sees.
+`SchedulerConfig` (with its `PrefillPolicy`) and `CacheConfig` hold numbers only: they are what
+`aserve/core` sees.
 `ModelConfig` names files and dtypes and is read by the model side only; `DistributedConfig`
 places one rank.
 """
@@ -9,42 +10,56 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 2048
-    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is bounded by the budget only
-    # Prefill beside decodes costs at most this many times a step's fixed cost, by the
-    # measured step cost (Scheduler): decodes keep flowing, prefill keeps its speed. 0: no cap.
+class PrefillPolicy:
+    """How many prompt tokens one step may prefill: the one place the prefill knobs (each an
+    `EngineArgs` field and CLI flag of the same name) and their constants are defined.
+    `core/step_cost.py: prefill_token_cap` applies them with the step cost the scheduler fits
+    to the steps that ran, seconds ≈ a + b · tokens, so that a / b is a step's fixed cost in
+    tokens. With D streams decoding (requests past their prompt) and P prefill tokens (chunks
+    of running prefills and admissions together) in a step:
+
+        a chunk                            P_request ≤ long_prefill_token_threshold (0: any)
+        D = 0 or D ≤ prefill_first_streams P ≤ the whole budget
+        more streams                       P ≤ ratio · a / b, never under one block;
+                                           ratio = max_prefill_step_ratio, times
+                                           prefill_cap_decodes / D once D is above it
+          and with max_mixed_step_ratio r  P ≤ max((r − 1)(a / b + D),
+                                                   pending prompt tokens / drain_steps(D))
+
+    A mixed step of P prefill tokens beside D decodes costs a + b (D + P): the first cap keeps
+    it within the decodes alone plus `ratio` fixed costs, the second within r times the
+    decodes alone, unless the prompts pending (the whole prompts of running prefills and
+    waiting requests, past their cached prefix) need more to be prefilled within
+    `drain_steps(D)` steps. Every stream waits out a mixed step, so a prompt is spread over
+    more, shorter steps the more streams it would stall, yet always ends (it drains at one
+    rate), and prompts cannot queue faster than they are admitted. With few streams nothing
+    caps prefill: few readers wait out the step, and a long prompt among them reaches its
+    first token sooner. Until the fit makes both costs positive the cap is half the budget; a
+    runner that reports no step times gets no cap. BENCHMARKS.md measures each knob.
+    """
+
+    # 0: a prefill chunk is bounded by the budget only.
+    long_prefill_token_threshold: int = 0
+    # Prefill beside decodes costs at most this many times a step's fixed cost. 0: no cap.
     max_prefill_step_ratio: float = 2.0
-    # With more than this many streams decoding, that cap shrinks by this / their number: every
-    # stream waits out a step's prefill, so more streams get smaller chunks. 0: off.
-    prefill_cap_decodes: int = 0
-    # With this many streams decoding or fewer (but some), prefill has the whole budget, as in
-    # a step without decodes: few streams stall, and a long prompt reaches its first token
-    # sooner (step_cost.prefill_token_cap). 0: off.
+    # With 1 to this many streams decoding, prefill has the whole budget. 0: off.
     prefill_first_streams: int = 3
-    # A step that carries prefill and decodes costs at most this many times its decodes
-    # alone, unless the prompts pending need more to be prefilled in time: within 2 steps per
-    # stream decoding, at most 32 (core/step_cost.py, mixed_step_cap). 0: off.
+    # With more streams decoding than this, the ratio shrinks by this / their number (lower
+    # inter-token tails, slower admission). 0: off.
+    prefill_cap_decodes: int = 0
+    # A mixed step costs at most this many times its decodes alone, unless the prompts
+    # pending need more. 0: off; else above 1.
     max_mixed_step_ratio: float = 2.0
-    policy: str = "fcfs"  # "fcfs" | "priority"
-    # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
-    # with a placeholder for the token it has not received yet (see Scheduler).
-    async_scheduling: bool = False
-    # Batches in flight at once (pipeline stages). Above 1 a request waits for its token in
-    # flight before it is scheduled again: consecutive batches hold different requests.
-    max_batches_in_flight: int = 1
+
+    # drain_steps(D) = min(DRAIN_STEPS_PER_DECODE · D, PREFILL_DRAIN_STEPS)
+    DRAIN_STEPS_PER_DECODE: ClassVar[int] = 2
+    PREFILL_DRAIN_STEPS: ClassVar[int] = 32
 
     def __post_init__(self) -> None:
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0.")
         if self.max_prefill_step_ratio < 0:
@@ -59,6 +74,44 @@ class SchedulerConfig:
         if self.prefill_cap_decodes < 0:
             raise ValueError("prefill_cap_decodes must be >= 0 (0: off), got "
                              f"{self.prefill_cap_decodes}.")
+
+    def step_ratio(self, num_decoding: int) -> float:
+        """The fixed costs a step's prefill may take beside `num_decoding` streams; 0: no
+        cap (no decodes, few streams, or the ratio off)."""
+        ratio = self.max_prefill_step_ratio
+        if ratio <= 0 or not num_decoding or num_decoding <= self.prefill_first_streams:
+            return 0.0
+        streams = self.prefill_cap_decodes
+        if streams and num_decoding > streams:
+            ratio *= streams / num_decoding
+        return ratio
+
+    def drain_steps(self, num_decoding: int) -> int:
+        """The steps within which the prompts pending must be prefilled, beside
+        `num_decoding` streams."""
+        return min(self.DRAIN_STEPS_PER_DECODE * num_decoding, self.PREFILL_DRAIN_STEPS)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 2048
+    prefill: PrefillPolicy = field(default_factory=PrefillPolicy)
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    # Schedule step N+1 while step N runs: a request that samples in step N is scheduled again
+    # with a placeholder for the token it has not received yet (see Scheduler).
+    async_scheduling: bool = False
+    # Batches in flight at once (pipeline stages). Above 1 a request waits for its token in
+    # flight before it is scheduled again: consecutive batches hold different requests.
+    max_batches_in_flight: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ sys.path.insert(0, str(HERE))
 
 from common import percentile  # noqa: E402
 
-from aserve.config import CacheConfig, SchedulerConfig  # noqa: E402
+from aserve.config import CacheConfig, PrefillPolicy, SchedulerConfig  # noqa: E402
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from aserve.core.request import Request  # noqa: E402
 from aserve.core.scheduler import Scheduler  # noqa: E402
@@ -131,7 +131,7 @@ def guarded(rule: Callable[[Scheduler, float, int], float]) -> Policy:
     def policy(s: Scheduler) -> int:
         budget = s.config.max_num_batched_tokens
         num_dec = num_decoding(s)
-        if s.config.max_prefill_step_ratio <= 0 or not s.step_cost.is_timed or not num_dec:
+        if s.config.prefill.max_prefill_step_ratio <= 0 or not s.step_cost.is_timed or not num_dec:
             return budget
         tokens = s.step_cost.fixed_cost_tokens()
         if tokens is None:
@@ -168,7 +168,9 @@ def arrival_policy(n: float = 4, safety: float = 3.0, window: float = 256,
     return policy
 
 
-def streams_policy(k: float = 2.0, few: int = 0, horizon: float = 32, per: float = 2,
+def streams_policy(k: float = 2.0, few: int = 0,
+                   horizon: float = PrefillPolicy.PREFILL_DRAIN_STEPS,
+                   per: float = PrefillPolicy.DRAIN_STEPS_PER_DECODE,
                    ratio: float = 4.0) -> Policy:
     """While at most `few` streams decode, the default's ratio · a / b; past that, the
     step-time target of `target` (P ≤ (k - 1)(a / b + D)), floored by the pending prefill
@@ -229,12 +231,12 @@ def make_prompts(workload: dict, seed: int) -> list[list[int]]:
 
 def make_scheduler(spec: str, num_blocks: int = 8192) -> Scheduler:
     name, knobs = parse_policy(spec)
-    config = SchedulerConfig(
-        max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
+    prefill = PrefillPolicy(
         long_prefill_token_threshold=0, max_prefill_step_ratio=4.0, prefill_first_streams=0,
-        async_scheduling=False,
         prefill_cap_decodes=int(knobs.get("n", 4)) if name == "decodes" else 0,
         max_mixed_step_ratio=knobs.get("k", 2.0) if name == "default" else 0.0)
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=512, max_model_len=2048,
+                             prefill=prefill, async_scheduling=False)
     scheduler = Scheduler(config, CacheConfig(block_size=16, num_blocks=num_blocks,
                                               enable_prefix_caching=True))
     policy = POLICIES[name](**knobs) if name not in ("default", "decodes") else None

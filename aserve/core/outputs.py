@@ -59,6 +59,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    def num_computed_before(self, req_id: str) -> int:
+        """How many tokens `req_id` had computed when this step was scheduled."""
+        for data in self.scheduled_cached_reqs:
+            if data.req_id == req_id:
+                return data.num_computed_tokens
+        for new in self.scheduled_new_reqs:
+            if new.req_id == req_id:
+                return new.num_computed_tokens
+        raise KeyError(req_id)
+
 
 @dataclass
 class LogprobsLists:

@@ -98,6 +98,22 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def check_stop(self, token_id: int, max_model_len: int) -> bool:
+        """Set a finished status when `token_id`, just appended, ends the request; return
+        whether it did. EOS and stop tokens count only from `min_tokens` on."""
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        elif (self.num_output_tokens < self.sampling_params.min_tokens
+              and self.sampling_params.compiled_grammar is None):
+            return False  # (a constrained request samples a stop token this early only when
+            # its grammar has ended: nothing else may follow, and it ends there)
+        elif token_id in self.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            params = self.sampling_params
+            if params.ignore_eos or token_id not in params.eos_token_ids:
+                self.stop_reason = token_id  # a stop token, not EOS
+        return self.is_finished
+
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower `priority` first, then earlier arrival."""
         return (self.priority, self.arrival_time)

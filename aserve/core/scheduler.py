@@ -4,35 +4,29 @@ There are no prefill and decode phases. A request has `num_computed_tokens`; a s
 `num_scheduled_tokens` more (a whole prompt, a chunk of one, or the one token sampled last step).
 That covers chunked prefill, prefix-cache hits and resumption after preemption alike.
 
-    schedule():  running  ──(budget, blocks; preempt lowest priority when blocks run out)──┐
-                 waiting  ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)───┤
-                                                                     SchedulerOutput ◄─────┘
+    schedule():  running ──(budget, blocks; preempt the last one while blocks run out)──┐
+                 loaded  ──(if nothing was preempted: K/V a connector loaded)───────────┤
+                 waiting ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)─┤
+                                                        StepPlan ─► SchedulerOutput ◄───┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
 
-A step that carries decodes keeps them flowing: its prefill tokens are capped at what costs
-`max_prefill_step_ratio` times a step's fixed cost, by a cost model fitted to the steps that
-ran (`StepCostModel`, fed by `update_from_output` from the runner's seconds); with many
-streams decoding, also at what keeps the step within `max_mixed_step_ratio` times those decodes
-alone, unless the prompts pending need more. A step without decodes, or with at most
-`prefill_first_streams` streams decoding, has the whole budget for prefill.
-
-Blocks are per KV cache group (full attention, sliding windows): the `KVCacheManager` answers
-for every group at once, so a request is admitted, grown or preempted as a whole, and block
-ids travel as one list per group.
-
-With a KV connector (`core/kv_connector.py`, injected by the engine) a waiting request may
-have KV to load: it gets its blocks, waits in `waiting_for_remote_kvs` (status
-WAITING_FOR_REMOTE_KVS) while the workers load them, and goes back to the front of the queue
-once loaded (or, after a failed load, to be computed from scratch). Blocks the workers still
-use after their request ended (sent to a peer; an abort while loading) stay allocated in
-`held_for_workers` until the workers report them done.
+`running` is in preemption order, the victim last: admission order (FCFS), or sorted by
+`Request.sort_key` as requests join it, ties in admission order (priority), so that a victim is
+never one already scheduled this step. A step's spending is a `StepPlan` (`step_plan.py`):
+preempting is `plan.unschedule(victim)`. Prefill beside decodes is capped by `config.prefill`
+(`PrefillPolicy`) with the step cost fitted to the steps that ran (`step_cost.py`). Blocks are
+per KV cache group: the `KVCacheManager` answers for every group at once. A KV connector
+(injected by the engine) is reached through `remote_kv` (`remote_kv.py`: `RemoteKV`, or
+`NoRemoteKV` when there is none).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, SchedulerConfig
+from aserve.core.kv_cache_coordinator import GroupBlocks
 from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.kv_connector import KVConnectorScheduler
@@ -45,13 +39,14 @@ from aserve.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from aserve.core.remote_kv import RemoteKVScheduling
+from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.step_cost import StepBudget, StepCostModel, prefill_token_cap
+from aserve.core.step_cost import StepCostModel, prefill_token_cap
+from aserve.core.step_plan import StepPlan, is_prefill
 
 
-class Scheduler(RemoteKVScheduling):
+class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  kv_connector: KVConnectorScheduler | None = None) -> None:
         if cache_config.num_blocks < 1:
@@ -63,24 +58,15 @@ class Scheduler(RemoteKVScheduling):
             cache_config.kv_cache_groups)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in preemption order: the victim is the last
         # Requests the runner still holds but must drop: finished or aborted since last step.
         self.finished_req_ids: set[str] = set()
         # Per request asking for prompt logprobs: prompt positions whose rows went out already.
         self.num_prompt_logprobs_sent: dict[str, int] = {}
         self.num_preemptions = 0
         self.step_cost = StepCostModel()
+        self.remote_kv = make_remote_kv(kv_connector, self.kv_cache_manager)
         self._last_output: SchedulerOutput | None = None
-        self.connector = kv_connector
-        self.waiting_for_remote_kvs: dict[str, Request] = {}  # their blocks being loaded
-        self.loaded: list[Request] = []  # loaded, waiting to run (holding their blocks)
-        self.held_for_workers: dict[str, Request] = {}  # finished; blocks still in use
-        self.num_held_blocks = 0  # the blocks of held_for_workers (every group, no null block)
-        self.external_prefix_cache_queries = 0
-        self.external_prefix_cache_hits = 0
-        self.num_kv_load_failures = 0
-        self.kv_transfer_bytes = 0
-        self.kv_transfer_seconds = 0.0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -101,11 +87,7 @@ class Scheduler(RemoteKVScheduling):
             loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif loading:
-                del self.waiting_for_remote_kvs[req_id]
-            elif request in self.loaded:
-                self.loaded.remove(request)
-            else:
+            elif not self.remote_kv.remove(request):
                 self.waiting.remove(request)
             request.status = status
             self._free(request, loading)
@@ -114,78 +96,58 @@ class Scheduler(RemoteKVScheduling):
 
     def _free(self, request: Request, loading: bool = False) -> dict | None:
         """Forget a finished request; free its blocks unless the workers still use them
-        (loading into them, or the connector sends them: `held_for_workers`). Returns the
-        connector's `kv_transfer_params` for the client."""
-        req_id, params, delay = request.request_id, None, loading
-        if self.connector is not None:
-            delay_free, params = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(req_id))
-            delay = delay or delay_free
-        if delay:
-            self.held_for_workers[req_id] = request
-            self.num_held_blocks += self._num_blocks_of(req_id)
-        else:
+        (`loading` into them, or the connector sends them). Returns the connector's
+        `kv_transfer_params` for the client."""
+        held, params = self.remote_kv.request_finished(request, loading)
+        if not held:
             self.kv_cache_manager.free(request)
-        self.finished_req_ids.add(req_id)
-        self.num_prompt_logprobs_sent.pop(req_id, None)
-        del self.requests[req_id]
+        self.finished_req_ids.add(request.request_id)
+        self.num_prompt_logprobs_sent.pop(request.request_id, None)
+        del self.requests[request.request_id]
         return params
-
-    def _num_blocks_of(self, req_id: str) -> int:
-        return sum(len(ids) - ids.count(0) for ids in self.kv_cache_manager.get_block_ids(req_id))
 
     @property
     def num_unfinished_requests(self) -> int:
-        return (len(self.waiting) + len(self.running) + len(self.waiting_for_remote_kvs)
-                + len(self.loaded))
+        return len(self.waiting) + len(self.running) + self.remote_kv.num_requests
 
     def has_unfinished_requests(self) -> bool:
         return self.num_unfinished_requests > 0
 
     def has_kv_transfers(self) -> bool:
         """Finished requests whose blocks the workers still send or load into."""
-        return bool(self.held_for_workers)
+        return self.remote_kv.has_held_blocks()
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        budget = StepBudget(self.config.max_num_batched_tokens, self._max_prefill_tokens())
-        num_scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, tuple[list[int], ...]] = {}
-        preempted: list[Request] = []
-
-        self._schedule_running(budget, num_scheduled, new_block_ids, preempted)
-        resumed_or_new: list[Request] = []
-        if not preempted:
-            self._schedule_waiting(budget, num_scheduled, resumed_or_new)
-
-        output = self._make_output(num_scheduled, new_block_ids, resumed_or_new, preempted)
-        for req_id, num_tokens in num_scheduled.items():
+        plan = StepPlan(self.config.max_num_batched_tokens, self._max_prefill_tokens())
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_loaded(plan)
+            self._schedule_waiting(plan)
+        output = self._make_output(plan)
+        for req_id, num_tokens in plan.num_scheduled.items():
             request = self.requests[req_id]
-            if not _is_prefill(request, request.num_computed_tokens, num_tokens):
+            if not is_prefill(request, request.num_computed_tokens, num_tokens):
                 output.num_decode_tokens += 1
             request.num_computed_tokens += num_tokens
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # it samples: a token is on its way
-        if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         self._last_output = output
         return output
 
     def _max_prefill_tokens(self) -> int:
-        """Prefill tokens this step may carry (`step_cost.prefill_token_cap`: the whole
-        budget without decodes or with few, else what the measured step cost allows)."""
+        """Prefill tokens this step may carry (`step_cost.prefill_token_cap`)."""
         num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
         return prefill_token_cap(self.config, self.step_cost, num_decoding,
                                  self._pending_within, self.block_size)
 
     def _pending_within(self, limit: int) -> int:
-        """Prompt tokens of the prompts not prefilled yet, counted up to `limit`: a running
-        prefill's whole prompt past its cached prefix (not only its rest: a prompt drained at
-        pending / steps a step then goes at one rate and ends within those steps, where its
-        rest / steps would shrink every step and never end), a waiting prompt's past its
-        cached prefix."""
+        """Prompt tokens not prefilled yet, counted up to `limit`: the whole prompts of running
+        prefills and waiting requests past their cached prefix (the whole prompt, not its rest:
+        drained at pending / steps a step, a prompt then ends within those steps)."""
         pending = 0
         for request in self.running:
             if request.num_computed_tokens < request.num_prompt_tokens:
@@ -197,7 +159,7 @@ class Scheduler(RemoteKVScheduling):
         return min(pending, limit)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int,
-                                budget: StepBudget) -> int:
+                                plan: StepPlan) -> int:
         """Tokens to give `request` this step: 0 when it must wait for tokens in flight (or
         for the prefill budget of a later step)."""
         num_pending = request.num_output_placeholders
@@ -206,53 +168,31 @@ class Scheduler(RemoteKVScheduling):
                             or self.config.max_batches_in_flight > 1):
             return 0  # its token in flight is its last one, or the next batch needs it
         num_new = request.num_tokens + num_pending - num_computed
-        threshold = self.config.long_prefill_token_threshold
+        threshold = self.config.prefill.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
-        return min(num_new, budget.limit(_is_prefill(request, num_computed, num_new)))
+        return min(num_new, plan.limit(is_prefill(request, num_computed, num_new)))
 
-    def _schedule_running(self, budget: StepBudget, num_scheduled: dict[str, int],
-                          new_block_ids: dict[str, tuple[list[int], ...]],
-                          preempted: list[Request]) -> None:
-        if self.config.policy == "priority":
-            # Highest priority first, so a victim (the lowest) is never one already scheduled
-            # this step: its newly full blocks are in the prefix cache, K/V not yet computed.
-            self.running.sort(key=Request.sort_key)
-        index = 0
-        while index < len(self.running) and budget.num_tokens > 0:
+    def _schedule_running(self, plan: StepPlan) -> None:
+        kv, index = self.kv_cache_manager, 0
+        while index < len(self.running) and plan.num_tokens > 0:
             request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
             if num_new <= 0:
                 index += 1
                 continue
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            while block_ids is None:
-                victim = self._pick_victim()
-                if victim.request_id in num_scheduled:
-                    num_given = num_scheduled.pop(victim.request_id)
-                    budget.spend(-num_given, _is_prefill(victim, victim.num_computed_tokens,
-                                                         num_given))
-                new_block_ids.pop(victim.request_id, None)
-                self._preempt(victim)
-                preempted.append(victim)
+            while (block_ids := kv.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()
+                self._preempt(victim, plan)
                 if victim is request:
-                    break
-                index = self.running.index(request)
-                block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            if block_ids is None:
-                continue  # `request` itself was preempted; `index` now points past it
-            num_scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = block_ids
-            budget.spend(num_new, _is_prefill(request, request.num_computed_tokens, num_new))
-            index += 1
+                    break  # `index` is now past the end
+            else:
+                plan.schedule(request, num_new, block_ids)
+                index += 1
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":  # on a tie, the one admitted last
-            return max(reversed(self.running), key=Request.sort_key)
-        return self.running[-1]
-
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free a request taken off `running`; it waits again, to be recomputed."""
+        plan.unschedule(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -262,65 +202,91 @@ class Scheduler(RemoteKVScheduling):
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _schedule_waiting(self, budget: StepBudget, num_scheduled: dict[str, int],
-                          admitted: list[Request]) -> None:
-        self._admit_loaded(budget, num_scheduled, admitted)
+    def _can_admit(self, plan: StepPlan) -> bool:
+        return plan.num_tokens > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _schedule_loaded(self, plan: StepPlan) -> None:
+        """Requests whose K/V a connector loaded go first: they hold their blocks already.
+        One that cannot grow while nothing runs (nothing would free a block) is unloaded and
+        waits as any request."""
+        while (request := self.remote_kv.next_loaded()) is not None and self._can_admit(plan):
+            num_computed = request.num_computed_tokens
+            num_new = self._num_tokens_to_schedule(request, num_computed, plan)
+            if num_new <= 0:
+                return
+            if self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                if self.running:
+                    return
+                self.remote_kv.unload(request)
+                self.waiting.prepend(request)
+                continue
+            self.remote_kv.remove(request)
+            self._admit(request, num_computed, num_new, plan)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in policy order, each with its longest cached prefix, until
+        one does not fit; one whose K/V a connector can load starts loading instead."""
         kv = self.kv_cache_manager
-        while (len(self.waiting) and budget.num_tokens > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and self._can_admit(plan):
             request = self.waiting.peek()
             cached_blocks, num_cached = kv.get_computed_blocks(request)
-            num_external = self._num_external_tokens(request, num_cached)
+            num_external = self.remote_kv.num_loadable_tokens(request, num_cached)
             if num_external:
-                if not self._start_remote_load(request, num_cached, cached_blocks,
-                                               num_external):
+                if not self._start_load(request, num_cached, cached_blocks, num_external):
                     break
                 continue
-            num_new = self._num_tokens_to_schedule(request, num_cached, budget)
+            num_new = self._num_tokens_to_schedule(request, num_cached, plan)
             if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
                                                  cached_blocks) is None:
                 break
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, kv.get_block_ids(request.request_id), 0)
-                if not request.kv_load_failed and request.sampling_params.prompt_logprobs is None:
-                    self.external_prefix_cache_queries += request.num_tokens  # (asked: none)
+            self.remote_kv.register_local(request)
             self.waiting.pop()
-            self._admit(request, num_cached, num_new, budget, num_scheduled, admitted)
+            self._admit(request, num_cached, num_new, plan)
 
-    def _admit(self, request: Request, num_computed: int, num_new: int, budget: StepBudget,
-               num_scheduled: dict[str, int], admitted: list[Request]) -> None:
+    def _start_load(self, request: Request, num_cached: int, cached_blocks: GroupBlocks,
+                    num_external: int) -> bool:
+        """Start loading the waiting request at the head; False (nothing changed) when blocks
+        are short. When nothing could ever free blocks, the load is given up and the request
+        stays at the head, to be computed here."""
+        if self.remote_kv.start_load(request, num_cached, cached_blocks, num_external):
+            self.waiting.pop()
+            return True
+        if self.running or self.remote_kv.has_blocks_in_use():
+            return False
+        self.remote_kv.give_up_load(request)
+        return True
+
+    def _admit(self, request: Request, num_computed: int, num_new: int, plan: StepPlan) -> None:
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        admitted.append(request)
-        num_scheduled[request.request_id] = num_new
-        budget.spend(num_new, _is_prefill(request, num_computed, num_new))
+        if self.config.policy == "priority":  # after the requests of its key: in admission order
+            bisect.insort(self.running, request, key=Request.sort_key)
+        else:
+            self.running.append(request)
+        plan.admit(request, num_new)
 
-    def _make_output(self, num_scheduled: dict[str, int],
-                     new_block_ids: dict[str, tuple[list[int], ...]],
-                     admitted: list[Request], preempted: list[Request]) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         cached = [
             CachedRequestData(req_id, block_ids, self.requests[req_id].num_computed_tokens)
-            for req_id, block_ids in new_block_ids.items()
+            for req_id, block_ids in plan.new_block_ids.items()
         ]
         new = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                            r.sampling_params, kv.get_block_ids(r.request_id),
                            r.num_computed_tokens)
-            for r in admitted
+            for r in plan.admitted
         ]
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new,
             scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=finished,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in plan.preempted},
         )
 
     # ------------------------------------------------------------------ update
@@ -328,8 +294,8 @@ class Scheduler(RemoteKVScheduling):
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if runner_output.kv_connector_output is not None:
-            self._update_from_kv_output(runner_output.kv_connector_output)
+        for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
+            self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
                                   runner_output.forward_seconds)
@@ -341,7 +307,7 @@ class Scheduler(RemoteKVScheduling):
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
             if prompt_logprobs is not None:
                 prompt_logprobs = self._drop_resent_prompt_logprobs(
-                    request, prompt_logprobs, _num_computed_before(scheduler_output, req_id))
+                    request, prompt_logprobs, scheduler_output.num_computed_before(req_id))
             if token_id is None:
                 if prompt_logprobs is not None:
                     outputs.append(EngineCoreOutput(req_id, [], None, prompt_logprobs))
@@ -350,7 +316,7 @@ class Scheduler(RemoteKVScheduling):
                 request.num_output_placeholders -= 1
             request.append_output_token_ids([token_id])
             kv_transfer_params = None
-            if self._check_stop(request, token_id):
+            if request.check_stop(token_id, self.config.max_model_len):
                 self.running.remove(request)
                 kv_transfer_params = self._free(request)
             outputs.append(EngineCoreOutput(
@@ -372,41 +338,18 @@ class Scheduler(RemoteKVScheduling):
             return None
         return LogprobsLists(rows.token_ids[skip:], rows.logprobs[skip:], rows.ranks[skip:])
 
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Set a finished status when `token_id` ends the request; return whether it did."""
-        if (request.num_output_tokens >= request.max_tokens
-                or request.num_tokens >= self.config.max_model_len):
-            request.status = RequestStatus.FINISHED_LENGTH
-        elif (request.num_output_tokens < request.sampling_params.min_tokens
-              and request.sampling_params.compiled_grammar is None):
-            return False  # (a constrained request samples a stop token this early only when
-            # its grammar has ended: nothing else may follow, and it ends there)
-        elif token_id in request.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            params = request.sampling_params
-            if params.ignore_eos or token_id not in params.eos_token_ids:
-                request.stop_reason = token_id  # a stop token, not EOS
-        return request.is_finished
-
     # ------------------------------------------------------------------ introspection
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        return self.remote_kv.add_stats(SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            external_prefix_cache_queries=self.external_prefix_cache_queries,
-            external_prefix_cache_hits=self.external_prefix_cache_hits,
-            num_kv_load_failures=self.num_kv_load_failures,
-            kv_transfer_bytes=self.kv_transfer_bytes,
-            kv_transfer_seconds=self.kv_transfer_seconds,
-            num_waiting_for_remote_kvs=len(self.waiting_for_remote_kvs),
-            num_held_blocks=self.num_held_blocks,
-        )
+        ))
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -415,64 +358,41 @@ class Scheduler(RemoteKVScheduling):
         """Assert the docs/design.md §10 invariants that hold between steps."""
         kv = self.kv_cache_manager
         kv.check_invariants()
+        self.remote_kv.check_invariants(self.requests)
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
+        remote_ids = self.remote_kv.request_ids()
         assert len(running_ids) == len(self.running), "a request is running twice"
-        remote_ids = set(self.waiting_for_remote_kvs) | {r.request_id for r in self.loaded}
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert not (running_ids | waiting_ids) & remote_ids, "a loading request is queued"
         assert running_ids | waiting_ids | remote_ids == set(self.requests), (
             "request table out of sync")
-        assert not set(self.held_for_workers) & set(self.requests), "a held request runs"
         assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
-        max_blocks = [max_blocks_per_request(g, self.config.max_model_len,
-                                             self.config.max_num_batched_tokens)
-                      for g in kv.groups]
+        if self.config.policy == "priority":
+            keys = [r.sort_key() for r in self.running]
+            assert keys == sorted(keys), "running is out of preemption order"
         for request in self.running:
-            assert request.status == RequestStatus.RUNNING, request
-            for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
-                covered = len(block_ids) * self.block_size
-                assert request.num_computed_tokens <= covered, (
-                    f"group {group_id}'s blocks do not cover {request}")
-                num_held = sum(1 for block_id in block_ids if block_id != 0)
-                assert num_held <= max_blocks[group_id], (
-                    f"{request} holds {num_held} blocks of group {group_id}")
-            assert request.num_computed_tokens <= (
-                request.num_tokens + request.num_output_placeholders), request
-            assert request.num_output_placeholders <= 2 * self.config.async_scheduling, request
+            self._check_running(request)
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
             assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
             assert request.num_output_placeholders == 0, request
-        for request in self.loaded:
-            assert request.status == RequestStatus.WAITING and request.num_external_computed_tokens
-            assert kv.holds_blocks(request.request_id), f"loaded {request} holds no blocks"
-        for request in self.waiting_for_remote_kvs.values():
-            assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS, request
-            num_loaded = request.num_computed_tokens + request.num_external_computed_tokens
-            for block_ids in kv.get_block_ids(request.request_id):
-                assert len(block_ids) * self.block_size >= num_loaded, request
-        for req_id in self.held_for_workers:
-            assert kv.holds_blocks(req_id), f"held {req_id} holds no blocks"
-        assert self.num_held_blocks == sum(map(self._num_blocks_of, self.held_for_workers))
         output = self._last_output
         if output is not None:
             assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
             assert len(output.num_scheduled_tokens) <= self.config.max_num_seqs
 
-
-def _is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
-    """Whether `num_new` tokens from `num_computed` on are a prefill chunk (prompt, or the
-    recomputation of a preempted request), not a decode's one token past the prompt."""
-    return num_new > 1 or num_computed < request.num_prompt_tokens
-
-
-def _num_computed_before(scheduler_output: SchedulerOutput, req_id: str) -> int:
-    """How many tokens `req_id` had computed when `scheduler_output` was made."""
-    for data in scheduler_output.scheduled_cached_reqs:
-        if data.req_id == req_id:
-            return data.num_computed_tokens
-    for new in scheduler_output.scheduled_new_reqs:
-        if new.req_id == req_id:
-            return new.num_computed_tokens
-    raise KeyError(req_id)
+    def _check_running(self, request: Request) -> None:
+        kv, config = self.kv_cache_manager, self.config
+        assert request.status == RequestStatus.RUNNING, request
+        for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
+            covered = len(block_ids) * self.block_size
+            assert request.num_computed_tokens <= covered, (
+                f"group {group_id}'s blocks do not cover {request}")
+            max_blocks = max_blocks_per_request(kv.groups[group_id], config.max_model_len,
+                                                config.max_num_batched_tokens)
+            num_held = sum(1 for block_id in block_ids if block_id != 0)
+            assert num_held <= max_blocks, f"{request} holds {num_held} blocks of group {group_id}"
+        assert request.num_computed_tokens <= (
+            request.num_tokens + request.num_output_placeholders), request
+        assert request.num_output_placeholders <= 2 * config.async_scheduling, request

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from aserve.config import (
     MOE_COMBINES,
@@ -11,6 +11,7 @@ from aserve.config import (
     KVCacheGroupSpec,
     KVTransferConfig,
     ModelConfig,
+    PrefillPolicy,
     SchedulerConfig,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
@@ -29,11 +30,12 @@ class EngineArgs:
     max_num_seqs: int = 256
     # Token budget of one step; None: the platform's (CPU 512, GPUs 4096), once it is known.
     max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int = 0
-    max_prefill_step_ratio: float = 2.0
-    prefill_cap_decodes: int = 0
-    prefill_first_streams: int = 3
-    max_mixed_step_ratio: float = 2.0
+    # The prefill knobs: `PrefillPolicy` (aserve/config.py) defines and explains them.
+    long_prefill_token_threshold: int = PrefillPolicy.long_prefill_token_threshold
+    max_prefill_step_ratio: float = PrefillPolicy.max_prefill_step_ratio
+    prefill_cap_decodes: int = PrefillPolicy.prefill_cap_decodes
+    prefill_first_streams: int = PrefillPolicy.prefill_first_streams
+    max_mixed_step_ratio: float = PrefillPolicy.max_mixed_step_ratio
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = True
     block_size: int = 16
@@ -157,11 +159,8 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_model_len,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_prefill_step_ratio=self.max_prefill_step_ratio,
-            prefill_cap_decodes=self.prefill_cap_decodes,
-            prefill_first_streams=self.prefill_first_streams,
-            max_mixed_step_ratio=self.max_mixed_step_ratio,
+            prefill=PrefillPolicy(**{f.name: getattr(self, f.name)
+                                     for f in fields(PrefillPolicy)}),
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             max_batches_in_flight=self.max_batches_in_flight,

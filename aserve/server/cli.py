@@ -71,7 +71,7 @@ ENGINE_HELP = {
                              "step budget (sooner first tokens, longer stalls; 0: off)",
     "max_mixed_step_ratio": "a step that carries prefill and decodes costs at most this many "
                             "times its decodes alone, measured, unless the prompts pending need "
-                            "more to be prefilled within 2 steps a stream (0: off)",
+                            "more to be prefilled within 2 steps a stream, at most 32 (0: off)",
     "scheduling_policy": "fcfs | priority (lower `priority` values are served first)",
     "block_size": "tokens per KV cache block",
     "enable_prefix_caching": "reuse the KV blocks of prompts' shared prefixes",

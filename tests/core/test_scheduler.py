@@ -13,7 +13,7 @@ import pytest
 from helpers.fake_runner import FakeRunner
 from helpers.requests import make_request as helper_request
 
-from aserve.config import CacheConfig, SchedulerConfig
+from aserve.config import CacheConfig, PrefillPolicy, SchedulerConfig
 from aserve.core.request import Request, RequestStatus
 from aserve.core.scheduler import Scheduler
 
@@ -29,7 +29,8 @@ def make_scheduler(num_blocks: int = 64, *, budget: int = 64, max_num_seqs: int 
     the null block)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, long_prefill_token_threshold=threshold,
+                        max_model_len=max_model_len,
+                        prefill=PrefillPolicy(long_prefill_token_threshold=threshold),
                         policy=policy, async_scheduling=async_scheduling,
                         max_batches_in_flight=max_batches_in_flight),
         CacheConfig(block_size=BS, num_blocks=num_blocks + 1, enable_prefix_caching=caching))

@@ -119,7 +119,7 @@ def assert_all_free(scheduler: Scheduler) -> None:
     kv = scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks - 1
     assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
-    assert not scheduler.has_kv_transfers() and not scheduler.waiting_for_remote_kvs
+    assert not scheduler.has_kv_transfers() and not scheduler.remote_kv.waiting_for_remote_kvs
 
 
 def expected(prompt_len: int, num_new: int) -> list[int]:

@@ -24,7 +24,7 @@ from helpers.fake_runner import FakeRunner, fake_token, hybrid_cache_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aserve.config import CacheConfig, SchedulerConfig
+from aserve.config import CacheConfig, PrefillPolicy, SchedulerConfig
 from aserve.core.kv_cache_utils import blocks_per_request
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
@@ -112,7 +112,7 @@ def scenarios(draw: st.DrawFn, kinds: tuple[str, ...] = ("full", "hybrid", "hybr
         max_num_seqs=draw(st.integers(1, 5)),
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 5])),
+        prefill=PrefillPolicy(long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 5]))),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         async_scheduling=draw(st.booleans()),
     )
@@ -233,7 +233,7 @@ def inverted_priority_workload(rng: random.Random, trial: int, policy: str,
                           rng.randrange(4, 12), 0, True, (), None, None))
     return Scenario(
         SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=16, max_model_len=max_model_len,
-                        long_prefill_token_threshold=3, policy=policy,
+                        prefill=PrefillPolicy(long_prefill_token_threshold=3), policy=policy,
                         async_scheduling=async_scheduling),
         CacheConfig(block_size=block_size,
                     num_blocks=max_model_len // block_size + 1 + rng.choice([0, 1, 2])),
@@ -272,8 +272,9 @@ def shared_prefix_hybrid_workload(rng: random.Random, trial: int) -> Scenario:
     num_blocks = blocks_per_request(probe.groups, max_model_len, budget) + 1 + rng.randrange(3)
     return Scenario(
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget,
-                        max_model_len=max_model_len, long_prefill_token_threshold=rng.choice(
-                            [0, 3, 5]), policy=rng.choice(["fcfs", "priority"]),
+                        max_model_len=max_model_len, prefill=PrefillPolicy(
+                            long_prefill_token_threshold=rng.choice([0, 3, 5])),
+                        policy=rng.choice(["fcfs", "priority"]),
                         async_scheduling=trial % 2 == 1),
         hybrid_cache_config(windows, block_size=block_size, num_blocks=num_blocks),
         tuple(specs))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from helpers.fake_runner import FakeRunner
 from helpers.requests import make_request
 
-from aserve.config import CacheConfig, SchedulerConfig
+from aserve.config import CacheConfig, PrefillPolicy, SchedulerConfig
 from aserve.core.scheduler import Scheduler
 
 BS = 4
@@ -44,9 +44,11 @@ def make_scheduler(*, ratio: float = 2.0, budget: int = 64, async_scheduling: bo
                    first_streams: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_model_len=128,
-                        max_prefill_step_ratio=ratio, async_scheduling=async_scheduling,
-                        prefill_cap_decodes=cap_decodes, max_mixed_step_ratio=mixed,
-                        prefill_first_streams=first_streams),
+                        async_scheduling=async_scheduling,
+                        prefill=PrefillPolicy(max_prefill_step_ratio=ratio,
+                                              prefill_cap_decodes=cap_decodes,
+                                              max_mixed_step_ratio=mixed,
+                                              prefill_first_streams=first_streams)),
         CacheConfig(block_size=BS, num_blocks=129))
     if cost is not None:
         scheduler.step_cost = cost
@@ -132,9 +134,7 @@ def test_a_mixed_step_is_held_to_its_ratio_of_the_decodes() -> None:
 
 
 def drain_steps(streams: int) -> int:
-    from aserve.core.step_cost import DRAIN_STEPS_PER_DECODE, PREFILL_DRAIN_STEPS
-
-    return min(DRAIN_STEPS_PER_DECODE * streams, PREFILL_DRAIN_STEPS)
+    return min(PrefillPolicy.DRAIN_STEPS_PER_DECODE * streams, PrefillPolicy.PREFILL_DRAIN_STEPS)
 
 
 def test_prompts_pending_raise_the_mixed_step_cap_to_drain_them() -> None:
@@ -214,7 +214,7 @@ def test_prefill_first_streams_must_not_be_negative() -> None:
     import pytest
 
     with pytest.raises(ValueError, match="prefill_first_streams"):
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, prefill_first_streams=-1)
+        PrefillPolicy(prefill_first_streams=-1)
 
 
 def test_max_mixed_step_ratio_is_above_1_or_0() -> None:
@@ -222,17 +222,15 @@ def test_max_mixed_step_ratio_is_above_1_or_0() -> None:
 
     for bad in (1.0, 0.5, -2):
         with pytest.raises(ValueError, match="max_mixed_step_ratio"):
-            SchedulerConfig(max_num_batched_tokens=64, max_model_len=128,
-                            max_mixed_step_ratio=bad)
-    assert SchedulerConfig(max_num_batched_tokens=64, max_model_len=128,
-                           max_mixed_step_ratio=0).max_mixed_step_ratio == 0
+            PrefillPolicy(max_mixed_step_ratio=bad)
+    assert PrefillPolicy(max_mixed_step_ratio=0).max_mixed_step_ratio == 0
 
 
 def test_prefill_cap_decodes_must_not_be_negative() -> None:
     import pytest
 
     with pytest.raises(ValueError, match="prefill_cap_decodes"):
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, prefill_cap_decodes=-1)
+        PrefillPolicy(prefill_cap_decodes=-1)
 
 
 def test_the_cap_is_never_under_one_block() -> None:

@@ -160,8 +160,8 @@ class FakeRunner:
         for req_id, num_tokens in scheduled.items():
             request = scheduler.requests[req_id]
             assert num_tokens >= 1
-            if config.long_prefill_token_threshold:
-                assert num_tokens <= config.long_prefill_token_threshold
+            if config.prefill.long_prefill_token_threshold:
+                assert num_tokens <= config.prefill.long_prefill_token_threshold
             assert request.status == RequestStatus.RUNNING
             assert request.num_computed_tokens <= (
                 request.num_tokens + request.num_output_placeholders)

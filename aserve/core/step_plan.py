@@ -1,0 +1,61 @@
+"""`StepPlan`: one step's schedule while `Scheduler.schedule()` builds it.
+
+    budgets   num_tokens          what is left of max_num_batched_tokens
+              num_prefill_tokens  what is left of the step's prefill cap (`PrefillPolicy`)
+    schedule(request, n, block_ids)   a running request gets n tokens and its new blocks
+    admit(request, n)                 a waiting (or loaded) request is admitted with n tokens
+    unschedule(victim)                a preempted request: its tokens go back to the budgets
+
+A prefill chunk (`is_prefill`) spends both budgets, a decode only the first. The plan lives for
+one `schedule()` call, which then turns it into a `SchedulerOutput`; it reads a request's
+`num_computed_tokens` as it was before the step (the scheduler advances them afterwards).
+"""
+
+from __future__ import annotations
+
+from aserve.core.request import Request
+
+
+def is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
+    """Whether `num_new` tokens from `num_computed` on are a prefill chunk (prompt, or the
+    recomputation of a preempted request), not a decode's one token past the prompt."""
+    return num_new > 1 or num_computed < request.num_prompt_tokens
+
+
+class StepPlan:
+    def __init__(self, num_tokens: int, num_prefill_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.num_prefill_tokens = num_prefill_tokens
+        # In batch order: running requests first, then admitted ones.
+        self.num_scheduled: dict[str, int] = {}
+        self.new_block_ids: dict[str, tuple[list[int], ...]] = {}  # running requests' only
+        self.admitted: list[Request] = []
+        self.preempted: list[Request] = []
+
+    def limit(self, prefill: bool) -> int:
+        """The most tokens one more request may get: a prefill chunk within both budgets."""
+        return min(self.num_tokens, self.num_prefill_tokens) if prefill else self.num_tokens
+
+    def schedule(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...]
+                 ) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        self._spend(request, num_tokens)
+
+    def admit(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.admitted.append(request)
+        self._spend(request, num_tokens)
+
+    def unschedule(self, request: Request) -> None:
+        """`request` is preempted: whatever it was given this step goes back to the budgets."""
+        num_given = self.num_scheduled.pop(request.request_id, 0)
+        if num_given:
+            self._spend(request, -num_given)
+        self.new_block_ids.pop(request.request_id, None)
+        self.preempted.append(request)
+
+    def _spend(self, request: Request, num_tokens: int) -> None:
+        self.num_tokens -= num_tokens
+        if is_prefill(request, request.num_computed_tokens, abs(num_tokens)):
+            self.num_prefill_tokens -= num_tokens
