@@ -16,8 +16,8 @@ from pathlib import Path
 
 def make_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0,
                  first_id: int = 3) -> list[list[int]]:
-    """Seeded random token ids, skipping the special ids below `first_id` (the same workload
-    as ../shared/peers/workload.py, so figures compare with the peer's)."""
+    """Seeded random token ids, skipping the special ids below `first_id`: the workload of every
+    engine (benchmarks/peers/offline_vllm.py sends vLLM the same ids)."""
     rng = random.Random(seed)
     return [[rng.randrange(first_id, vocab_size) for _ in range(input_len)] for _ in range(n)]
 

@@ -363,14 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help="HF model directory, served by both")
     ap.add_argument("--peer-venv", type=Path,
                     default=Path("~/.cache/aserve-peers/venv").expanduser())
-    ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers",
-                    help="offline_vllm.py and vllm_cli.py (default: ../shared/peers)")
+    ap.add_argument("--peers-dir", type=Path, default=HERE / "peers",
+                    help="offline_vllm.py and vllm_cli.py (default: benchmarks/peers)")
     ap.add_argument("--engines", default="aserve,vllm", help="of aserve,vllm,llamacpp")
     ap.add_argument("--llamacpp-venv", type=Path,
                     default=Path("~/.cache/aserve-peers/llamacpp-venv").expanduser(),
-                    help="where ../shared/peers/setup_llamacpp.sh built llama-server")
+                    help="where benchmarks/peers/install.sh llamacpp built llama-server")
     ap.add_argument("--gguf", type=Path, default=None,
-                    help="llamacpp: the same model as GGUF (setup_llamacpp.sh converts it)")
+                    help="llamacpp: the same model as GGUF (install.sh models converts it)")
     ap.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
     ap.add_argument("--offline", action="store_true")
     ap.add_argument("--serve", action="store_true")
@@ -412,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if "llamacpp" in args.engines and (args.gguf is None or not args.gguf.exists()):
         raise SystemExit("--engines llamacpp needs --gguf: the model as GGUF "
-                         "(../shared/peers/setup_llamacpp.sh VENV GGUF HF_DIR converts it)")
+                         "(benchmarks/peers/install.sh llamacpp, then models, converts it)")
     if args.matmul_limit not in ("auto", "off"):
         try:
             float(args.matmul_limit)

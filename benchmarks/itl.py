@@ -10,7 +10,7 @@ Each round starts a fresh server per engine (aserve from each --tree; with --vll
 --peer-venv; with --llamacpp, llama.cpp's `llama-server` from --llamacpp-venv on the GGUF file
 --gguf, with as many slots as the largest concurrency and 2,048 tokens of context each) and
 workload, engines in an order rotated over rounds, and drives it with
-`vllm bench serve` (through ../shared/peers/vllm_bench_compat.py, `--ignore-eos --temperature
+`vllm bench serve` (through benchmarks/peers/vllm_bench_compat.py, `--ignore-eos --temperature
 0`, `--save-detailed`) or, with `--client serve` (no vLLM needed), benchmarks/serve.py:
 
     single   random 128 in / 128 out, concurrency 1, 8 prompts
@@ -81,10 +81,9 @@ class StepPoller:
     """Polls a server's /dashboard/stats in a thread; `steps` is the merged timeline of
     (end time, prefill tokens, decode tokens, model seconds), oldest first.
 
-    One client for all polls: `httpx.get` makes a client each call, and a client's TLS
-    context (the CA bundle read) costs ~20 ms of CPU. On a 2-core machine that stalled the
-    server's step once a poll (the step 2-3x its neighbours, a second apart), and those
-    stalls set prefix's ITL p99 (68 ms polled each second, 55 ms each five; BENCHMARKS.md)."""
+    One client for all polls: `httpx.get` builds a client, and its TLS context, per call, CPU
+    that the measured server's steps lose on a small machine (docs/benchmarks/
+    serving-latency.md, "The benchmark's own poller was prefix's tail")."""
 
     def __init__(self, url: str, interval: float) -> None:
         self.url, self.interval = url + "/dashboard/stats", interval
@@ -355,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--llamacpp-args", default="", help="extra llama-server flags")
     ap.add_argument("--peer-venv", type=Path,
                     default=Path("~/.cache/aserve-peers/venv").expanduser())
-    ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--peers-dir", type=Path, default=HERE / "peers")
     ap.add_argument("--poll-s", type=float, default=1.0, help="step log polling interval")
     ap.add_argument("--quick", action="store_true",
                     help="a tiny llama, the chat workload scaled down, one round, serve.py")

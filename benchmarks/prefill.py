@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gguf", type=Path, default=None, help="the model as GGUF (llamacpp)")
     ap.add_argument("--peer-venv", type=Path, default=Path("~/.cache/aserve-peers/venv"))
-    ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--peers-dir", type=Path, default=HERE / "peers")
     ap.add_argument("--llamacpp-venv", type=Path,
                     default=Path("~/.cache/aserve-peers/llamacpp-venv"))
     ap.add_argument("--driver", choices=["vllm"], default=None, help=argparse.SUPPRESS)

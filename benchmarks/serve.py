@@ -7,9 +7,10 @@
 
 Every request streams `POST /v1/completions` (`ignore_eos`, `temperature` 0, `max_tokens` O,
 `stream_options.include_usage`) over HTTP/1.1 keep-alive, without retries. Prompts are random
-token ids from the seeded workload of ../shared/peers/workload.py (`--prompt-kind ids`, sent as a
-list of ints) or those ids decoded to text by the model's tokenizer (`--prompt-kind text`; the
-server's re-tokenization may give a slightly different prompt length).
+token ids from the seeded workload of `common.make_prompts`, the ids every engine gets
+(`--prompt-kind ids`, sent as a list of ints), or those ids decoded to text by the model's
+tokenizer (`--prompt-kind text`; the server's re-tokenization may give a slightly different
+prompt length).
 
 Per request: TTFT (first token chunk), the gaps between token chunks (ITL), TPOT = (e2e - TTFT) /
 (output tokens - 1), output tokens (the final usage chunk, else the chunk count). It prints one

@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     tput.add_argument("-o", "--output-len", type=int, default=128)
     tput.add_argument("--peer-venv", type=Path,
                       default=Path("~/.cache/aserve-peers/venv").expanduser())
-    tput.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    tput.add_argument("--peers-dir", type=Path, default=HERE / "peers")
     tput.add_argument("--vllm-enforce-eager", action="store_true")
     tput.add_argument("--offline-timeout", type=float, default=900.0, help="per run")
     ap.add_argument("--seed", type=int, default=0)

@@ -9,14 +9,14 @@ and an 8-row x 48-column micro-kernel walks K two at a time (`csrc/gemm.h` descr
 gated packing of an MLP's [gate; up] whose epilogue applies silu(gate) * up).
 
 Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) against oneDNN's prepacked bf16
-linear (`benchmarks/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a decode step streams
-every weight from memory (29 GB/s vs oneDNN's 18). Sums run in another order than oneDNN's, so
-results differ from `F.linear` in the last bf16 bit of some outputs.
+linear (`benchmarks/studies/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a decode
+step streams every weight from memory (29 GB/s vs oneDNN's 18). Sums run in another order than
+oneDNN's, so results differ from `F.linear` in the last bf16 bit of some outputs.
 
 On CPUs with AMX (Intel Sapphire Rapids and later) the same panels go to the tile unit instead
 (`amx()`): 16 rows x 48 columns per tile product, at every row count, since it wins even at
-one row (BENCHMARKS.md, "On a Xeon with AMX"). Its results agree with the vector tiles' to
-one bf16 step, most of them bit for bit.
+one row (docs/benchmarks/serving-latency.md, "On a Xeon with AMX"). Its results agree with the
+vector tiles' to one bf16 step, most of them bit for bit.
 
 Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
 lacks AVX512-BF16 (the caller then keeps oneDNN or `F.linear`).

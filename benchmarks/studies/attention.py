@@ -1,8 +1,8 @@
 """CPU attention over the paged cache (`aserve/kernels/cpu_attention.py`): ms per layer for a
 decode batch (and optionally a mixed prefill + decode step), one JSON line.
 
-    python benchmarks/attention.py [--batch 64] [--context 192] [--mixed]
-    python benchmarks/attention.py --chunks 2048:2048,8192:2048    # prefill chunks, L:C
+    python benchmarks/studies/attention.py [--batch 64] [--context 192] [--mixed]
+    python benchmarks/studies/attention.py --chunks 2048:2048,8192:2048    # prefill chunks, L:C
 
 Two measures, as a decode step meets them:
 - "cold": one call per layer over 30 layers' separate caches, so K/V come from memory (the
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: aserve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 
 from common import best_time  # noqa: E402
 

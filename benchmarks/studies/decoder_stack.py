@@ -2,7 +2,7 @@
 one by one (`CpuDecoderBlock` each), in ONE engine, alternated request by request so that the
 machine's swings fall on both. Prints one JSON line.
 
-    python benchmarks/decoder_stack.py --model DIR [--batch 1] [--rounds 8] [-o 128]
+    python benchmarks/studies/decoder_stack.py --model DIR [--batch 1] [--rounds 8] [-o 128]
 
 Each round runs `--batch` requests of 16 prompt tokens and `-o` greedy output tokens once per
 mode (the order flips every round). Per mode: ms per output token (wall) and the forward's ms
@@ -19,9 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS.parent))  # the repo: aserve
+sys.path.insert(0, str(BENCHMARKS))  # common
 
 from common import emit, make_prompts, vocab_size_of  # noqa: E402
 

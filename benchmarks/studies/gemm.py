@@ -1,7 +1,7 @@
 """aserve's CPU bf16 GEMM (`aserve/kernels/cpu_gemm.py`) beside oneDNN's prepacked linear (the
 engine's previous path) and `F.linear`, on a model's linear shapes; one JSON line.
 
-    python benchmarks/gemm.py --model /tmp/models/smol [--rows 1,8,64,512]
+    python benchmarks/studies/gemm.py --model /tmp/models/smol [--rows 1,8,64,512]
 
 Two measures per row count:
 - "hot": each layer shape alone, its weight in cache (best of repeats): GFLOP/s per kernel;
@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: aserve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 
 from common import best_time  # noqa: E402
 from matmul_limit import LinearShapes  # noqa: E402

@@ -1,8 +1,8 @@
 """aserve's CPU bf16 fused MoE (`aserve/kernels/cpu_moe.py`) beside the dense per-expert loop it
 replaces, on Mixtral-shaped MoE layers scaled to this machine; one JSON line.
 
-    python benchmarks/moe_kernel.py [--hidden 1024 --intermediate 2816 --experts 8 --top-k 2
-                                     --layers 4 --tokens 1,8,64,256]
+    python benchmarks/studies/moe_kernel.py [--hidden 1024 --intermediate 2816 --experts 8
+                                            --top-k 2 --layers 4 --tokens 1,8,64,256]
 
 The dense loop is the engine's best path without the fused op: a `PackedWeight` per expert
 (gate_up packed gated, silu in its epilogue; down plain), all in huge pages, with torch's gather
@@ -21,8 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: aserve
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
 
 from common import best_time  # noqa: E402
 

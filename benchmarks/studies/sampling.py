@@ -2,7 +2,7 @@
 race, top-p over a sorted vocabulary) beside the way aserve's CPU platform draws (inverse CDF,
 top-p among each row's best tokens first, top-k by selection). Prints one JSON line.
 
-    python benchmarks/sampling.py [--rows 32] [--vocab 49152] [--quick]
+    python benchmarks/studies/sampling.py [--rows 32] [--vocab 49152] [--quick]
 
 Both samplers are aserve's `Sampler` (aserve/runner/sampler.py) on the same logits, timed in
 alternation (best of `--repeats` per case: noise only slows a call down); `ratio` is the
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo: aserve
 
 import torch  # noqa: E402
 

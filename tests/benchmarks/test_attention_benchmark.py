@@ -1,5 +1,5 @@
-"""benchmarks/attention.py --chunks: the row-tile kernel and the SDPA path timed on the same
-prefill chunks, and their outputs agree (bf16 rounding apart). Structure only: no timing
+"""benchmarks/studies/attention.py --chunks: the row-tile kernel and the SDPA path timed on the
+same prefill chunks, and their outputs agree (bf16 rounding apart). Structure only: no timing
 thresholds."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+STUDIES = ROOT / "benchmarks" / "studies"
 
 
 @pytest.mark.spawns
 def test_chunks_time_both_paths_on_the_same_rows():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--chunks", "40:40,100:24",
+        [sys.executable, str(STUDIES / "attention.py"), "--chunks", "40:40,100:24",
          "--heads", "4", "--kv-heads", "2", "--head-dim", "64"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
-"""benchmarks/decoder_stack.py on the tiny llama (bf16): both modes run, their tokens agree (the
-script fails otherwise), and the report has the figures it names. Structure only: no timing
-thresholds."""
+"""benchmarks/studies/decoder_stack.py on the tiny llama (bf16): both modes run, their tokens
+agree (the script fails otherwise), and the report has the figures it names. Structure only: no
+timing thresholds."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+STUDIES = ROOT / "benchmarks" / "studies"
 
 pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # the stack needs aserve's GEMM
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # the stack needs aserv
 def test_the_report(llama_dir, tmp_path):
     out = tmp_path / "o.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "decoder_stack.py"), "--model",
+        [sys.executable, str(STUDIES / "decoder_stack.py"), "--model",
          str(llama_dir), "--batch", "2", "--rounds", "2", "-o", "6", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

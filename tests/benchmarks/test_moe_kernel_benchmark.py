@@ -1,5 +1,5 @@
-"""benchmarks/moe_kernel.py runs end to end on a tiny layer: one JSON line, the fused CPU MoE
-and the dense per-expert loop side by side, bit-equal (no timing is asserted)."""
+"""benchmarks/studies/moe_kernel.py runs end to end on a tiny layer: one JSON line, the fused CPU
+MoE and the dense per-expert loop side by side, bit-equal (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 pytestmark = [pytest.mark.spawns, pytest.mark.usefixtures("cpu_gemm_kernel")]
 
 ROOT = Path(__file__).resolve().parents[2]
+STUDIES = ROOT / "benchmarks" / "studies"
 
 
 def test_moe_kernel_benchmark_compares_fused_with_the_dense_loop():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "moe_kernel.py"), "--hidden", "64",
+        [sys.executable, str(STUDIES / "moe_kernel.py"), "--hidden", "64",
          "--intermediate", "96", "--experts", "4", "--top-k", "2", "--layers", "1",
          "--tokens", "1,9"], capture_output=True, text=True, timeout=300, check=True)
     lines = result.stdout.strip().splitlines()

@@ -1,5 +1,5 @@
-"""benchmarks/sampling.py --quick: one JSON line with every case of both logit shapes, each with
-both samplers' times and their ratio. Structure only: no timing thresholds."""
+"""benchmarks/studies/sampling.py --quick: one JSON line with every case of both logit shapes,
+each with both samplers' times and their ratio. Structure only: no timing thresholds."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+STUDIES = ROOT / "benchmarks" / "studies"
 
 
 def test_quick_run_reports_both_samplers_for_every_case():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(STUDIES))
     import sampling
 
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sampling.py"), "--quick"],
+    result = subprocess.run([sys.executable, str(STUDIES / "sampling.py"), "--quick"],
                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
