@@ -8,8 +8,10 @@
     slot_mapping block_table[r][pos // block_size] * block_size + pos % block_size
 
 Each KV cache group has its own block table and slot mapping (docs/design.md §4): a request
-holds different blocks in a full-attention group and in a sliding-window one. No padding
-anywhere: token t of the batch belongs to the request whose query range holds t.
+holds different blocks in a full-attention group and in a sliding-window one. The step's block
+tables come in already gathered, in batch order (`BlockTables.gather`, which keeps them between
+steps). No padding anywhere: token t of the batch belongs to the request whose query range
+holds t.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class PreparedInputs:
 
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
-                   block_size: int) -> PreparedInputs:
+                   block_tables: list[np.ndarray], block_size: int) -> PreparedInputs:
+    """`block_tables`: per KV cache group, [len(states), max_num_blocks] int32, row i the
+    block ids of `states[i]`, zero-padded."""
     num_reqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -65,11 +69,9 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         positions = (num_computed[req_of_token] + offsets).astype(np.int64)
 
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-    block_tables, slot_mappings = [], []
-    for group in range(len(states[0].block_ids)):
-        block_table = _block_table([s.block_ids[group] for s in states])
+    slot_mappings = []
+    for block_table in block_tables:
         block_ids = block_table[req_of_token, positions // block_size]
-        block_tables.append(block_table)
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
     sample_req_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
@@ -95,14 +97,6 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         logits_indices=np.concatenate(rows).astype(np.int64),
         prompt_logprob_spans=spans,
     )
-
-
-def _block_table(block_ids: list[list[int]]) -> np.ndarray:
-    """[num_reqs, longest] int32, each row a request's block ids, zero-padded."""
-    table = np.zeros((len(block_ids), max(map(len, block_ids))), dtype=np.int32)
-    for i, ids in enumerate(block_ids):
-        table[i, :len(ids)] = ids
-    return table
 
 
 def token_bucket(num_tokens: int, smallest: int = 16) -> int:

@@ -1,8 +1,11 @@
 """`ModelRunner`: one step of one rank — scheduler output in, sampled tokens out.
 
-It keeps its own `CachedRequestState` for each running request (the scheduler sends new requests
-whole and running ones as diffs), flattens the scheduled tokens into one ragged batch, runs the
-model, computes logits only where a request samples, and samples.
+It keeps its own `CachedRequestState` for each running request and their block tables
+(`BlockTables`; the scheduler sends new requests whole and running ones as diffs), flattens the
+scheduled tokens into one ragged batch, runs the model, computes logits only where a request
+samples, and samples. Two features that cut across the step are objects of their own, called
+the same way whether on or off: the constrained rows' masks (`GrammarMasks`) and the KV
+connector's hooks (`KVConnectorHooks`, or `NO_OP_KV_CONNECTOR`).
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -30,30 +32,26 @@ from aserve.distributed import (
     send_to_stage,
     stage_layers,
 )
-from aserve.kv_transfer import KVConnectorBase, RankReports
+from aserve.kv_transfer import KVConnectorBase
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
+from aserve.runner.block_table import BlockTables
+from aserve.runner.grammar_masks import NO_MASKS, GrammarMasks, TokenMasks
 from aserve.runner.graphs import DecodeGraphs
 from aserve.runner.input_batch import PreparedInputs, pad_to_bucket, prepare_inputs
 from aserve.runner.kv_cache import allocate_kv_buffers, kv_buffer_ids, layer_placement
+from aserve.runner.kv_connector_hooks import (
+    NO_OP_KV_CONNECTOR,
+    KVConnectorHooks,
+    NoOpKVConnectorHooks,
+)
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
-from aserve.sampling_params import SamplingParams, SamplingType
-from aserve.structured_output import apply_token_bitmask, fill_token_bitmask, masked_argmax
 
 T = TypeVar("T")
-
-
-def _checked_after(params: SamplingParams) -> bool:
-    """Whether a constrained row may be sampled unmasked and its token checked after (see
-    `ModelRunner._check_tokens`): plain greedy, whose token is the largest logit, which stays
-    the largest of the allowed ones when allowed (no logit processor, no logprobs)."""
-    return (params.sampling_type == SamplingType.GREEDY and params.logprobs is None
-            and not params.logit_bias and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
 
 
 def _no_grad(method: Callable[..., T]) -> Callable[..., T]:
@@ -68,26 +66,16 @@ def _no_grad(method: Callable[..., T]) -> Callable[..., T]:
 
 @dataclass
 class StartedStep:
-    """A step whose forward has started on this rank; `logits` is None until received."""
+    """A step whose forward has started on this rank (none: no token scheduled, `req_ids`
+    empty); `logits` is None until received."""
 
     req_ids: list[str]
     states: list[CachedRequestState]
-    inputs: PreparedInputs
+    inputs: PreparedInputs | None
     logits: torch.Tensor | None
     start: float
-    masks: TokenMasks | None  # the constrained rows (their bitmask filled beside the forward)
+    masks: TokenMasks  # the constrained rows (their bitmask filled beside the forward)
     kv_output: KVConnectorOutput | None = None  # every rank's, with a KV connector
-
-
-@dataclass
-class TokenMasks:
-    """A step's constrained sampling rows (indices among its sampling rows): `ahead`, masked
-    before sampling by `bitmask` (int32 [len(ahead), ceil(vocab / 32)], filled beside the
-    forward); `checked`, sampled unmasked and their tokens checked after (`_check_tokens`)."""
-
-    ahead: list[int]
-    bitmask: Future[torch.Tensor] | None
-    checked: list[int]
 
 
 class ModelRunner:
@@ -96,10 +84,9 @@ class ModelRunner:
     rank > 0, which receives its inputs instead); with a KV connector, the step's connector
     metadata too, and `gather_kv_reports` then collects the other ranks' reports after it.
 
-    `kv_connector` (the worker side, set by the `Worker` once the cache exists) is called
-    around each step: `start_load_kv` and `wait_for_layer_load` before the forward,
-    `save_kv_layer` and `wait_for_save` after it, then `get_finished`; a step that schedules
-    no token still runs the connector's part, so that loads start and leases expire."""
+    `kv_hooks` (a connector's, once the `Worker` binds one with `bind_kv_connector`) run
+    around each step: loads before the forward, saves and the step's report after it; a step
+    that schedules no token still runs them, so that loads start and leases expire."""
 
     def __init__(self, model_config: ModelConfig, block_size: int, platform: Platform,
                  device: torch.device,
@@ -121,16 +108,27 @@ class ModelRunner:
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_tables = BlockTables(num_groups=1)
         self.kv_caches: list[torch.Tensor] = []  # this stage's KV buffers
         self.num_kv_groups = 1
         self.graphs: DecodeGraphs | None = None
         self.publish_inputs = publish_inputs
         self.gather_kv_reports = gather_kv_reports
-        self.kv_connector: KVConnectorBase | None = None
+        self.kv_hooks: KVConnectorHooks | NoOpKVConnectorHooks = NO_OP_KV_CONNECTOR
         self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
-        self._kv_reports: RankReports | None = None
-        self._mask_filler: ThreadPoolExecutor | None = None  # started by the first grammar
-        self.check_greedy_tokens = platform.computes_on_host  # (see `_start_masks`)
+        self.grammar_masks = GrammarMasks(self.vocab_size, device,
+                                          check_greedy_tokens=platform.computes_on_host)
+
+    @property
+    def kv_connector(self) -> KVConnectorBase | None:
+        """This rank's worker side of the KV connector (None: none)."""
+        return self.kv_hooks.connector
+
+    def bind_kv_connector(self, connector: KVConnectorBase) -> None:
+        """Run `connector`'s worker side around every step (after `initialize_kv_cache`)."""
+        connector.register_kv_caches(self.kv_caches_by_layer)
+        self.kv_hooks = KVConnectorHooks(connector, self.kv_caches_by_layer,
+                                         self.publish_inputs, self.gather_kv_reports)
 
     @property
     def num_kv_heads(self) -> int:
@@ -142,6 +140,7 @@ class ModelRunner:
         """Allocate this stage's KV buffers and bind each attention layer to its buffer and
         group (`runner/kv_cache.py`)."""
         self.num_kv_groups = len(kv_cache_groups)
+        self.block_tables = BlockTables(self.num_kv_groups)
         layers = dict(zip(stage_layers(self.arch.num_layers), self.model.attention_layers(),
                           strict=True))
         placement = layer_placement(kv_cache_groups)
@@ -189,6 +188,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ state
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        self.block_tables.update(so)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
@@ -212,77 +212,44 @@ class ModelRunner:
         return self.finish_step(self.start_step(so))
 
     @_no_grad
-    def start_step(self, so: SchedulerOutput) -> StartedStep | None:
+    def start_step(self, so: SchedulerOutput) -> StartedStep:
         """Everything up to the logits: states, inputs (sent to the other ranks), this rank's
         forward. Under pipeline parallelism the logits come later, in `finish_step`, so that
         the next batch can start on this stage while the later stages run this one."""
         self._update_states(so)
         req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            if self.kv_connector is None:
-                return None
-            if self.publish_inputs is not None:
-                self.publish_inputs(None, so.kv_connector_metadata)
-            self._kv_before_forward(so.kv_connector_metadata)
-            return StartedStep([], [], None, None, 0.0, None,
-                               self._kv_after_forward(so.finished_req_ids, gather=True))
+        if not req_ids:  # no forward: the KV connector's part alone (nothing without one)
+            kv_output = self.kv_hooks.step_without_forward(so.kv_connector_metadata,
+                                                           so.finished_req_ids)
+            return StartedStep([], [], None, None, 0.0, NO_MASKS, kv_output)
         states = [self.requests[r] for r in req_ids]
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
-                                self.block_size)
+                                self.block_tables.gather(req_ids), self.block_size)
         if self.platform.static_shapes:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs, so.kv_connector_metadata)
-        masks = self._start_masks(states, inputs)
-        if self.kv_connector is not None:
-            self._kv_before_forward(so.kv_connector_metadata)
+        masks = self.grammar_masks.start([states[i] for i in inputs.sample_req_indices])
+        self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
-        kv_output = None
-        if self.kv_connector is not None:  # (one pipeline stage: the forward is done here)
-            kv_output = self._kv_after_forward(so.finished_req_ids, gather=True)
+        # (the saves: with one pipeline stage the forward is done here)
+        kv_output = self.kv_hooks.after_forward(so.finished_req_ids, gather=True)
         return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output)
-
-    # ------------------------------------------------------------------ KV connector
-
-    def _kv_before_forward(self, metadata) -> None:
-        connector = self.kv_connector
-        connector.bind_connector_metadata(metadata)
-        connector.start_load_kv()
-        for layer in self.kv_caches_by_layer:
-            connector.wait_for_layer_load(layer)
-
-    def _kv_after_forward(self, finished_req_ids: set[str],
-                          gather: bool) -> KVConnectorOutput:
-        """This rank's saves and report; on rank 0 (`gather`) every rank's, combined."""
-        connector = self.kv_connector
-        for layer, kv_layer in self.kv_caches_by_layer.items():
-            connector.save_kv_layer(layer, kv_layer)
-        connector.wait_for_save()
-        output = connector.step_output(finished_req_ids)
-        connector.clear_connector_metadata()
-        if not gather:
-            return output
-        others = self.gather_kv_reports() if self.gather_kv_reports is not None else []
-        if self._kv_reports is None:
-            self._kv_reports = RankReports(1 + len(others))
-        return self._kv_reports.combine([output, *others])
 
     @_no_grad
     def run_rank_step(self, inputs: PreparedInputs | None, metadata) -> KVConnectorOutput:
         """A rank > 0's step with a KV connector: its part of the transfers around the same
         forward as rank 0's (none when `inputs` is None); returns its report."""
-        self._kv_before_forward(metadata)
+        self.kv_hooks.before_forward(metadata)
         if inputs is not None:
             self.run_model(inputs)
-        return self._kv_after_forward(set(), gather=False)
+        return self.kv_hooks.after_forward(set(), gather=False)
 
     @_no_grad
-    def finish_step(self, step: StartedStep | None) -> ModelRunnerOutput:
+    def finish_step(self, step: StartedStep) -> ModelRunnerOutput:
         """The logits (received from the last stage if need be), sampling, prompt logprobs."""
-        if step is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        if not step.req_ids:  # the KV connector's part only
+        if not step.req_ids:  # no forward: the KV connector's report alone (None without one)
             return ModelRunnerOutput([], [], kv_connector_output=step.kv_output)
         states, inputs, logits = step.states, step.inputs, step.logits
         if logits is None:
@@ -344,9 +311,8 @@ class ModelRunner:
         return logits
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
-                logprobs: dict[str, LogprobsLists], masks: TokenMasks | None) -> list[int]:
-        if masks is not None and masks.ahead:
-            logits = self._masked(logits, masks.bitmask.result(), masks.ahead)
+                logprobs: dict[str, LogprobsLists], masks: TokenMasks) -> list[int]:
+        logits = self.grammar_masks.apply(logits, masks)  # [num_sampling_rows, vocab]
         metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
                                           generator=self.generator)
         out = self.sampler(logits, metadata)
@@ -356,73 +322,8 @@ class ModelRunner:
             for j, row in zip(rows, lists):
                 logprobs[states[j].req_id] = row
         token_ids = out.sampled_token_ids.tolist()
-        if masks is not None and masks.checked:
-            self._check_tokens(states, logits, token_ids, masks.checked)
+        self.grammar_masks.check(states, logits, token_ids, masks)
         return token_ids
-
-    # Constrained rows. vLLM fills every constrained row's mask while the forward runs and
-    # masks before sampling; so does aserve on an accelerator, and on the CPU for every row
-    # but plain greedy ones. On the CPU the fill competes with the forward for the same cores
-    # (llguidance takes 10-500 µs a row for a mask, ~2 µs to check one token), and a greedy
-    # row's token is the largest logit whether masked or not, when the grammar allows it: such
-    # a row is sampled unmasked and its token checked, and only a refused one gets a mask and
-    # the argmax of its allowed tokens. A model that follows its format is refused rarely.
-
-    def _start_masks(self, states: list[CachedRequestState],
-                     inputs: PreparedInputs) -> TokenMasks | None:
-        """The step's constrained sampling rows (None: no such row, and nothing to pay), and
-        the bitmask of the rows masked ahead, started on a thread of its own that runs beside
-        the forward (llguidance releases the GIL; the fill depends only on tokens already
-        accepted, not on the logits)."""
-        sampling = [states[i] for i in inputs.sample_req_indices]
-        constrained = [k for k, state in enumerate(sampling) if state.grammar is not None]
-        if not constrained:
-            return None
-        checked = [k for k in constrained if self.check_greedy_tokens
-                   and _checked_after(sampling[k].sampling_params)]
-        ahead = sorted(set(constrained) - set(checked))
-        bitmask = None
-        if ahead:
-            if self._mask_filler is None:
-                self._mask_filler = ThreadPoolExecutor(1, thread_name_prefix="aserve-grammar")
-            bitmask = self._mask_filler.submit(self._fill_masks, [sampling[k] for k in ahead])
-        return TokenMasks(ahead, bitmask, checked)
-
-    def _fill_masks(self, states: list[CachedRequestState]) -> torch.Tensor:
-        """The bitmask of these constrained rows; a row short of its min_tokens holds back its
-        stop tokens in it (the sampler leaves min_tokens of constrained rows to the mask)."""
-        held = [[t for t in s.sampling_params.all_stop_token_ids if 0 <= t < self.vocab_size]
-                if len(s.output_token_ids) < s.sampling_params.min_tokens else []
-                for s in states]
-        return fill_token_bitmask([s.grammar for s in states], self.vocab_size, held)
-
-    def _check_tokens(self, states: list[CachedRequestState], logits: torch.Tensor,
-                      token_ids: list[int], rows: list[int]) -> None:
-        """Greedy rows sampled unmasked: where the grammar refuses the token (or it is a stop
-        token before min_tokens), the argmax of the allowed tokens instead, in `token_ids`."""
-        refused = [k for k in rows if not self._accepts(states[k], token_ids[k])]
-        if not refused:
-            return
-        bitmask = self._fill_masks([states[k] for k in refused])
-        index = torch.tensor(refused, dtype=torch.int64)
-        for k, token_id in zip(refused, masked_argmax(logits, index, bitmask).tolist()):
-            token_ids[k] = token_id
-
-    @staticmethod
-    def _accepts(state: CachedRequestState, token_id: int) -> bool:
-        params = state.sampling_params
-        if (len(state.output_token_ids) < params.min_tokens
-                and token_id in params.all_stop_token_ids):
-            return False  # (the mask decides: held back, unless the grammar has ended)
-        return state.grammar.allows(token_id)
-
-    def _masked(self, logits: torch.Tensor, bitmask: torch.Tensor,
-                rows: list[int]) -> torch.Tensor:
-        """`logits` with rows `rows`' disallowed tokens at -inf (one masked copy for them all)."""
-        if len(rows) == len(logits):  # every row: no index to scatter by
-            return apply_token_bitmask(logits, bitmask)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
-        return apply_token_bitmask(logits, bitmask, index)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

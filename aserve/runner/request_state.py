@@ -13,12 +13,16 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]  # per KV cache group
+    # Per KV cache group, as the scheduler sent them; a step's tables are gathered from the
+    # runner's `BlockTables`, which holds the same ids in rows
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        # The ids that end it (`SamplingParams.all_stop_token_ids`), once rather than per step
+        self.all_stop_token_ids = frozenset(self.sampling_params.all_stop_token_ids)
         # A constrained request's place in its grammar, replayed over the tokens it has (a
         # preempted request resumes here with them all)
         compiled = self.sampling_params.compiled_grammar
@@ -32,6 +36,12 @@ class CachedRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def is_below_min_tokens(self) -> bool:
+        """Fewer outputs than `min_tokens`: its stop tokens may not be sampled yet (the
+        sampler's mask holds them back, or for a constrained row its token bitmask)."""
+        return len(self.output_token_ids) < self.sampling_params.min_tokens
 
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

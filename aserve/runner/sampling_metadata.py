@@ -141,10 +141,9 @@ def _min_tokens_mask(states: list[CachedRequestState], vocab_size: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows, ids = [], []
     for i, state in enumerate(states):
-        params = state.sampling_params
-        if len(state.output_token_ids) < params.min_tokens and state.grammar is None:
+        if state.is_below_min_tokens and state.grammar is None:
             # (a constrained row's token bitmask holds its stop tokens back instead)
-            stop_ids = [t for t in params.all_stop_token_ids if 0 <= t < vocab_size]
+            stop_ids = [t for t in state.all_stop_token_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stop_ids))
             ids.extend(stop_ids)
     if not rows:

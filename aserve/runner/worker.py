@@ -129,8 +129,7 @@ class Worker:
             connector = create_connector(self.kv_transfer_config, KVConnectorRole.WORKER,
                                          self.kv_cache_key, kv_cache_groups, self.block_size,
                                          get_tp_rank(), get_tp_size())
-            connector.register_kv_caches(self.runner.kv_caches_by_layer)
-            self.runner.kv_connector = connector
+            self.runner.bind_kv_connector(connector)
         all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
                 and not all_to_all and get_sp_size() == 1):
@@ -142,5 +141,4 @@ class Worker:
 
     def shutdown(self) -> None:
         """Stop what outlives a step: the KV connector's threads and sockets."""
-        if self.runner.kv_connector is not None:
-            self.runner.kv_connector.shutdown()
+        self.runner.kv_hooks.shutdown()

@@ -153,14 +153,14 @@ def test_a_structural_tag_compiles_and_a_bad_one_is_refused(llm):
 
 def test_greedy_rows_checked_after_sampling_equal_rows_masked_first(llm, monkeypatch):
     """On the CPU a plain greedy constrained row is sampled unmasked and its token checked
-    after (`ModelRunner._check_tokens`); every other constrained row is masked first. Both
+    after (`GrammarMasks.check`); every other constrained row is masked first. Both
     give the same tokens and logprobs, and the random model's tokens are refused often enough
     that the refused path runs."""
-    from aserve.runner import model_runner
+    from aserve.runner import grammar_masks
 
     refused = []
-    masked_argmax = model_runner.masked_argmax
-    monkeypatch.setattr(model_runner, "masked_argmax",
+    masked_argmax = grammar_masks.masked_argmax
+    monkeypatch.setattr(grammar_masks, "masked_argmax",
                         lambda logits, rows, bitmask: refused.append(len(rows))
                         or masked_argmax(logits, rows, bitmask))
     greedy = dict(temperature=0.0, seed=None)
@@ -170,7 +170,7 @@ def test_greedy_rows_checked_after_sampling_equal_rows_masked_first(llm, monkeyp
               constrained(StructuredOutputsParams(json=SCHEMA), **greedy, logprobs=2),
               constrained(StructuredOutputsParams(json=SCHEMA), **greedy, min_tokens=40),
               constrained(StructuredOutputsParams(json=SCHEMA))]  # temperature 1, seeded
-    runner = llm.engine_core.executor.worker.runner
+    runner = llm.engine_core.executor.worker.runner.grammar_masks  # (its constrained rows)
     assert runner.check_greedy_tokens  # the CPU's default
 
     def run() -> list:
