@@ -6,7 +6,7 @@ construction, and names the offending field; nothing invalid reaches the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -82,10 +82,6 @@ class SamplingParams:
     # connector. vLLM carries it in `extra_args["kv_transfer_params"]`, accepted here too.
     kv_transfer_params: dict[str, Any] | None = None
     extra_args: dict[str, Any] | None = None
-    # Filled by the engine from the model's generation config, not by users.
-    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
-    # Filled by the engine: `structured_outputs` compiled for this model's tokenizer.
-    compiled_grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -147,10 +143,3 @@ class SamplingParams:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEEDED
 
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """Token ids that end generation: stop_token_ids, plus EOS unless ignore_eos."""
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids.update(self.eos_token_ids)
-        return ids

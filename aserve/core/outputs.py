@@ -29,6 +29,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # per group
     num_computed_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()  # the engine's: stop_token_ids, and EOS
+    grammar: Any = None  # the engine's: the request's constraint, compiled
 
 
 @dataclass(frozen=True)

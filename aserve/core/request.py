@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from aserve.sampling_params import SamplingParams
 
@@ -45,6 +46,8 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        grammar: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,7 +67,13 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
         self.max_tokens = sampling_params.max_tokens or 1 << 62
-        self.stop_token_ids = sampling_params.all_stop_token_ids
+        # The engine's, not the user's: the model's EOS ids (from its generation config) and
+        # the request's constraint compiled for its tokenizer (opaque here: the runner's)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.grammar = grammar
+        # The ids that end it: its stop_token_ids, and EOS unless ignore_eos
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids).union(
+            () if sampling_params.ignore_eos else self.eos_token_ids)
         # A KV connector's side: tokens it is loading (WAITING_FOR_REMOTE_KVS) or loaded, and
         # whether a load failed (the connector is then not asked again).
         self.num_external_computed_tokens = 0
@@ -104,13 +113,12 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
         elif (self.num_output_tokens < self.sampling_params.min_tokens
-              and self.sampling_params.compiled_grammar is None):
+              and self.grammar is None):
             return False  # (a constrained request samples a stop token this early only when
             # its grammar has ended: nothing else may follow, and it ends there)
         elif token_id in self.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-            params = self.sampling_params
-            if params.ignore_eos or token_id not in params.eos_token_ids:
+            if self.sampling_params.ignore_eos or token_id not in self.eos_token_ids:
                 self.stop_reason = token_id  # a stop token, not EOS
         return self.is_finished
 

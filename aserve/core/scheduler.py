@@ -276,7 +276,7 @@ class Scheduler:
         new = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                            r.sampling_params, kv.get_block_ids(r.request_id),
-                           r.num_computed_tokens)
+                           r.num_computed_tokens, r.stop_token_ids, r.grammar)
             for r in plan.admitted
         ]
         finished, self.finished_req_ids = self.finished_req_ids, set()

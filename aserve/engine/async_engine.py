@@ -39,7 +39,7 @@ from aserve.engine.messages import (
 )
 from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
-from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
+from aserve.engine.processor import PreparedRequest, ProcessedPrompt, Processor, PromptType
 from aserve.engine.step_log import StepLog
 from aserve.engine.tokenizer import Tokenizer
 from aserve.kv_transfer import connector_class
@@ -224,7 +224,7 @@ class AsyncEngine:
             self.processor = Processor(
                 self.tokenizer, message.model_info,
                 any_whitespace=self.args.structured_outputs_any_whitespace,
-                kv_transfer_config=self.args.kv_transfer_config)
+                kv_transfer_config=self.args.kv_transfer_config, strict_max_tokens=True)
             self._ready.set_result(None)
         elif isinstance(message, EngineDead):
             self.dead_error = message.error
@@ -249,10 +249,11 @@ class AsyncEngine:
 
     async def process_prompt(self, prompt: PromptType | ProcessedPrompt,
                              add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Tokenize (off the loop when long) and validate; raises ValueError on bad input."""
+        """Tokenize (off the loop when long) and validate; raises ValueError on bad input. A
+        `ProcessedPrompt` (checked when it was made) is returned as it is."""
         processor = self._check_alive()
         if isinstance(prompt, ProcessedPrompt):
-            return processor.check_prompt(prompt)
+            return prompt
         text = prompt.get("prompt") if isinstance(prompt, Mapping) and (
             "prompt_token_ids" not in prompt) else prompt
         if isinstance(text, str) and len(text) > MAX_INLINE_TOKENIZE_CHARS:
@@ -275,29 +276,38 @@ class AsyncEngine:
         A long text's encode releases the GIL (`Tokenizer.encode`), so the loop keeps serving."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
-                          params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Validate and enqueue one request; its outputs arrive as deltas on the stream."""
+    async def prepare(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+                      priority: int = 0) -> PreparedRequest:
+        """Everything a request needs checked and computed before the engine sees it: the
+        prompt tokenized (off the loop when long), the params checked against the model and
+        the context, the default max_tokens, the constraint compiled (in the compiler's own
+        worker processes, cheap first, killed past the timeout); ValueError on bad input."""
         processed = await self.process_prompt(prompt)
+        return await self._check_alive().prepare_async(processed, params, priority,
+                                                       GRAMMAR_COMPILE_TIMEOUT_S)
+
+    def add(self, request_id: str, prepared: PreparedRequest) -> RequestStream:
+        """Enqueue a prepared request; its outputs arrive as deltas on the stream. Raises
+        ValueError for an id in use, ServerBusyError past a KV producer's cap."""
         processor = self._check_alive()
-        if params.structured_outputs is None:
-            params = processor.process_params(params)
-        else:  # in the compiler's own worker processes, cheap first; killed past the timeout
-            params = await processor.process_params_async(params, GRAMMAR_COMPILE_TIMEOUT_S)
         if request_id in self.streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        if self.held_blocks is not None and (params.kv_transfer_params or {}).get(
+        if self.held_blocks is not None and (prepared.params.kv_transfer_params or {}).get(
                 "do_remote_decode"):  # raises ServerBusyError past the producer's cap
-            self.held_blocks.reserve(request_id, len(processed.prompt_token_ids),
+            self.held_blocks.reserve(request_id, len(prepared.prompt.prompt_token_ids),
                                      self.stats.num_held_blocks)
-        parent, requests = processor.make_requests(request_id, processed, params, priority,
-                                                   stream=True)
+        parent, requests = processor.make_requests(request_id, prepared, stream=True)
         stream = RequestStream(self, request_id)
         self.streams[request_id] = stream
         self.output_processor.add_request(parent, [r.request_id for r in requests])
         for request in requests:
             self.inbox.put(AddRequest(request))
         return stream
+
+    async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
+                          params: SamplingParams, priority: int = 0) -> RequestStream:
+        """`prepare`, then `add`."""
+        return self.add(request_id, await self.prepare(prompt, params, priority))
 
     async def generate(self, request_id: str, prompt: PromptType | ProcessedPrompt,
                        params: SamplingParams, priority: int = 0

@@ -16,7 +16,7 @@ from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.core import KV_IDLE_POLL_S, EngineCore
 from aserve.engine.output_processor import OutputProcessor
 from aserve.engine.outputs import RequestOutput
-from aserve.engine.processor import ProcessedPrompt, Processor, PromptType
+from aserve.engine.processor import PreparedRequest, Processor, PromptType
 from aserve.engine.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
 
@@ -89,9 +89,9 @@ class LLM:
             raise ValueError("priority must have one entry per prompt.")
         # Validate everything before the engine sees anything: a bad prompt adds nothing.
         processed = [self.processor.process_prompt(p) for p in prompts]
-        params = [self.processor.process_params(p) for p in params]
-        request_ids = [self._add_request(p, sp, prio)
-                       for p, sp, prio in zip(processed, params, priority, strict=True)]
+        prepared = [self.processor.prepare(p, sp, prio)
+                    for p, sp, prio in zip(processed, params, priority, strict=True)]
+        request_ids = [self._add_request(p) for p in prepared]
         results = {r.request_id: r for r in self._run_engine()}
         if self.engine_core.scheduler.has_kv_transfers():
             self.engine_core.step_kv_transfers()  # a producer's blocks: ready to be pulled
@@ -119,10 +119,9 @@ class LLM:
             raise ValueError(f"Got {len(params)} SamplingParams for {num_prompts} prompts.")
         return params
 
-    def _add_request(self, prompt: ProcessedPrompt, params: SamplingParams,
-                     priority: int) -> str:
+    def _add_request(self, prepared: PreparedRequest) -> str:
         request_id = str(next(self._request_counter))
-        parent, requests = self.processor.make_requests(request_id, prompt, params, priority)
+        parent, requests = self.processor.make_requests(request_id, prepared)
         self.output_processor.add_request(parent, [r.request_id for r in requests])
         for request in requests:
             self.engine_core.add_request(request)

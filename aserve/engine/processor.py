@@ -1,8 +1,15 @@
 """`Processor`: turns a user's prompt and `SamplingParams` into validated engine requests.
 
-Everything that could make a model step fail is checked here, before a request reaches the
-engine: empty or over-long prompts, token ids outside the vocabulary, logit-bias ids; a
-structured-output constraint is compiled here too (a bad one is a ValueError).
+    prompt ─ process_prompt ─► ProcessedPrompt ─┐
+    params ─────────────────────────────────────┴─ prepare ─► PreparedRequest ─► make_requests
+                       (checked, max_tokens defaulted, the constraint compiled)   ─► Requests
+
+Everything that could make a model step fail is checked here, once, before a request reaches
+the engine: empty prompts, token ids outside the vocabulary, the context length (`check_context`,
+the one place it is checked), logit-bias ids; a structured-output constraint is compiled here
+too (a bad one is a ValueError). What the engine adds — the default `max_tokens`, the model's
+EOS ids, the compiled grammar — goes on its copy of the params and on the engine's `Request`,
+never on the user's `SamplingParams`.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from aserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from aserve.structured_output import GrammarCompiler
+from aserve.structured_output import CompiledGrammar, GrammarCompiler
 
 PromptType = str | Mapping
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
+    """A prompt tokenized and checked (made by `Processor.process_prompt` only)."""
+
     prompt: str | None
     prompt_token_ids: list[int]
     # vLLM's `cache_salt`: keys the prompt's first block, so its cached blocks are shared only
@@ -37,14 +46,39 @@ class ProcessedPrompt:
     cache_salt: str | None = None
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """One request ready for the engine (made by `Processor.prepare` only): its prompt, a copy
+    of the user's params with the engine's defaults applied (`max_tokens`), and the engine's
+    own state for it, the constraint compiled for this tokenizer."""
+
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    grammar: CompiledGrammar | None = None
+    priority: int = 0
+
+
+class ContextLengthError(ValueError):
+    """The prompt, or the prompt plus `max_tokens`, does not fit the model's context; `param`
+    is the request field to blame (None: the prompt's)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class Processor:
     def __init__(self, tokenizer: Tokenizer, model_info: ModelInfo,
                  any_whitespace: bool = False,
-                 kv_transfer_config: KVTransferConfig | None = None) -> None:
+                 kv_transfer_config: KVTransferConfig | None = None,
+                 strict_max_tokens: bool = False) -> None:
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.kv_transfer_config = kv_transfer_config  # None: kv_transfer_params are refused
         self.any_whitespace = any_whitespace  # False: JSON constraints without free whitespace
+        # True (the server, as vLLM's): a prompt plus max_tokens over the context is refused;
+        # False (offline, as vLLM's LLM): generation stops at the context instead
+        self.strict_max_tokens = strict_max_tokens
         self._grammar_compiler: GrammarCompiler | None = None  # built by the first constraint
         self._grammar_lock = threading.Lock()
 
@@ -93,14 +127,31 @@ class Processor:
         ids = processed.prompt_token_ids
         if not ids:
             raise ValueError("The prompt is empty: give at least one token.")
-        max_model_len = self.model_info.max_model_len
-        if len(ids) >= max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {len(ids) + 1} tokens ({len(ids)} in the prompt, at least 1 to "
-                "generate). Please reduce the length of the prompt.")
-        self.check_token_ids(ids, "prompt_token_ids")  # (after the length: at most a context)
+        self.check_context(len(ids), None)  # (first: the ids checked below are at most that)
+        self.check_token_ids(ids, "prompt_token_ids")
         return processed
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The `max_tokens` a request of this prompt length may have (`max_tokens`, or what
+        the context leaves when None); ContextLengthError when the prompt leaves no room, or,
+        with `strict_max_tokens`, when prompt + max_tokens is over the context. The one place
+        the context length is checked."""
+        max_model_len = self.model_info.max_model_len
+        if num_prompt_tokens >= max_model_len:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + 1} tokens ({num_prompt_tokens} in the prompt, "
+                "at least 1 to generate). Please reduce the length of the prompt.")
+        room = max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            return room
+        if self.strict_max_tokens and max_tokens > room:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                "messages or completion.", "max_tokens")
+        return max_tokens
 
     def check_token_ids(self, token_ids, field_name: str) -> None:
         vocab_size = self.model_info.vocab_size
@@ -109,11 +160,33 @@ class Processor:
             raise ValueError(f"Token id {bad} in {field_name} is out of vocabulary "
                              f"(the model has {vocab_size} tokens).")
 
-    def process_params(self, params: SamplingParams,
-                       compile_grammar: bool = True) -> SamplingParams:
-        """A copy of `params` checked against the model and given its EOS token ids; its
-        constraint compiled, blocking, unless `compile_grammar` is False (the server compiles
-        with `process_params_async`)."""
+    def prepare(self, prompt: ProcessedPrompt, params: SamplingParams,
+                priority: int = 0) -> PreparedRequest:
+        """`prompt` and `params` as one request for the engine, its constraint compiled here
+        (blocking: the offline `LLM`; the server uses `prepare_async`)."""
+        params = self.check_params(params, len(prompt.prompt_token_ids))
+        spec = self._grammar_spec(params)
+        grammar = (self.grammar_compiler().compile(spec, self._start_after_ids(spec))
+                   if spec is not None else None)
+        return PreparedRequest(prompt, params, grammar, priority)
+
+    async def prepare_async(self, prompt: ProcessedPrompt, params: SamplingParams,
+                            priority: int, compile_timeout: float) -> PreparedRequest:
+        """`prepare` for the event loop: the constraint compiles in the compiler's worker
+        processes (no thread of the loop's waits on it), cheap ones first; one still compiling
+        after `compile_timeout` seconds is killed and refused (ValueError)."""
+        params = self.check_params(params, len(prompt.prompt_token_ids))
+        spec = self._grammar_spec(params)
+        grammar = None
+        if spec is not None:
+            compiler = self._grammar_compiler or await asyncio.to_thread(self.grammar_compiler)
+            grammar = await compiler.compile_async(spec, self._start_after_ids(spec),
+                                                   compile_timeout)
+        return PreparedRequest(prompt, params, grammar, priority)
+
+    def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """A copy of `params` checked against the model and the context (`check_context`),
+        its `max_tokens` filled in when None."""
         if params.logit_bias:
             self.check_token_ids(params.logit_bias, "logit_bias")
         if params.stop_token_ids:
@@ -121,34 +194,17 @@ class Processor:
         if params.top_k > self.model_info.vocab_size:
             raise ValueError(f"top_k must not exceed the vocabulary size "
                              f"({self.model_info.vocab_size}), got {params.top_k}.")
-        params = copy.copy(params)
-        params.eos_token_ids = self.model_info.eos_token_ids
+        max_tokens = self.check_context(num_prompt_tokens, params.max_tokens)
+        params = replace(params, max_tokens=max_tokens)
         if params.kv_transfer_params is not None:
             self._check_kv_transfer_params(params)
-        spec = self._grammar_spec(params)
-        if spec is not None and compile_grammar:
-            params.compiled_grammar = self.grammar_compiler().compile(
-                spec, self._start_after_ids(spec))
-        return params
-
-    async def process_params_async(self, params: SamplingParams,
-                                   compile_timeout: float) -> SamplingParams:
-        """`process_params` for the event loop: the constraint compiles in the compiler's
-        worker processes (no thread of the loop's waits on it), cheap ones first; one still
-        compiling after `compile_timeout` seconds is killed and refused (ValueError)."""
-        params = self.process_params(params, compile_grammar=False)
-        spec = self._grammar_spec(params)
-        if spec is not None:
-            compiler = self._grammar_compiler or await asyncio.to_thread(self.grammar_compiler)
-            params.compiled_grammar = await compiler.compile_async(
-                spec, self._start_after_ids(spec), compile_timeout)
         return params
 
     def _grammar_spec(self, params: SamplingParams) -> StructuredOutputsParams | None:
-        """The constraint to compile for `params` (none if compiled already), its JSON compact
-        unless the server allows free whitespace."""
+        """The constraint to compile for `params`, its JSON compact unless the server allows
+        free whitespace."""
         spec = params.structured_outputs
-        if spec is None or params.compiled_grammar is not None:
+        if spec is None:
             return None
         if not self.any_whitespace and not spec.disable_any_whitespace:
             spec = replace(spec, disable_any_whitespace=True)
@@ -175,23 +231,23 @@ class Processor:
                     self.model_info.eos_token_ids)
             return self._grammar_compiler
 
-    def make_requests(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                      priority: int = 0, stream: bool = False
+    def make_requests(self, request_id: str, prepared: PreparedRequest, stream: bool = False
                       ) -> tuple[ParentRequest, list[Request]]:
         """The user request, and the engine requests that generate it: one, or `n` children
         (ids `"{i}_{request_id}"`, seeds `seed + i`) that share the prompt's cached blocks."""
+        prompt, params = prepared.prompt, prepared.params
         parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
                                completions=[None] * params.n, stream=stream)
-        salt = prompt.cache_salt
+        engine_state = dict(priority=prepared.priority, cache_salt=prompt.cache_salt,
+                            eos_token_ids=self.model_info.eos_token_ids,
+                            grammar=prepared.grammar)
         if params.n == 1:
-            return parent, [Request(request_id, prompt.prompt_token_ids, params,
-                                    priority=priority, cache_salt=salt)]
+            return parent, [Request(request_id, prompt.prompt_token_ids, params, **engine_state)]
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             children.append(Request(f"{i}_{request_id}", prompt.prompt_token_ids,
-                                    replace(params, n=1, seed=seed), priority=priority,
-                                    cache_salt=salt))
+                                    replace(params, n=1, seed=seed), **engine_state))
         return parent, children
 
 

@@ -112,12 +112,12 @@ class GrammarMasks:
     def _fill(self, states: list[CachedRequestState]) -> torch.Tensor:
         """The bitmask of these constrained rows; a row short of its min_tokens holds back its
         stop tokens in it."""
-        held = [[t for t in s.all_stop_token_ids if 0 <= t < self.vocab_size]
+        held = [[t for t in s.stop_token_ids if 0 <= t < self.vocab_size]
                 if s.is_below_min_tokens else [] for s in states]
         return fill_token_bitmask([s.grammar for s in states], self.vocab_size, held)
 
 
 def _accepts(state: CachedRequestState, token_id: int) -> bool:
-    if state.is_below_min_tokens and token_id in state.all_stop_token_ids:
+    if state.is_below_min_tokens and token_id in state.stop_token_ids:
         return False  # (the mask decides: held back, unless the grammar has ended)
     return state.grammar.allows(token_id)

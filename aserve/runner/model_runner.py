@@ -199,6 +199,8 @@ class ModelRunner:
                 block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
+                stop_token_ids=new.stop_token_ids,
+                compiled_grammar=new.grammar,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]

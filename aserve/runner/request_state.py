@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from aserve.sampling_params import SamplingParams
-from aserve.structured_output import GrammarMatcher
+from aserve.structured_output import CompiledGrammar, GrammarMatcher
 
 
 @dataclass
@@ -18,14 +18,16 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # The engine's (`core.Request`): the ids that end it (its stop_token_ids, and EOS unless
+    # ignore_eos), and its constraint compiled for the model's tokenizer
+    stop_token_ids: frozenset[int] = frozenset()
+    compiled_grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
-        # The ids that end it (`SamplingParams.all_stop_token_ids`), once rather than per step
-        self.all_stop_token_ids = frozenset(self.sampling_params.all_stop_token_ids)
         # A constrained request's place in its grammar, replayed over the tokens it has (a
         # preempted request resumes here with them all)
-        compiled = self.sampling_params.compiled_grammar
+        compiled = self.compiled_grammar
         self.grammar = (GrammarMatcher(compiled, self.output_token_ids)
                         if compiled is not None else None)
 

@@ -143,7 +143,7 @@ def _min_tokens_mask(states: list[CachedRequestState], vocab_size: int,
     for i, state in enumerate(states):
         if state.is_below_min_tokens and state.grammar is None:
             # (a constrained row's token bitmask holds its stop tokens back instead)
-            stop_ids = [t for t in state.all_stop_token_ids if 0 <= t < vocab_size]
+            stop_ids = [t for t in state.stop_token_ids if 0 <= t < vocab_size]
             rows.extend([i] * len(stop_ids))
             ids.extend(stop_ids)
     if not rows:

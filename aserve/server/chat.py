@@ -42,9 +42,10 @@ from aserve.server.serving import (
     event_stream,
     merged_outputs,
     parse_body,
+    prepare,
     process_prompt,
     running_engine,
-    sampling_params_for,
+    sampling_params_of,
     server_state,
     start_generations,
 )
@@ -111,16 +112,15 @@ async def create_chat_completion(request: Request) -> Response:
     text = await render_chat(request, engine, body)
     prompt = await process_prompt(engine, text, body.add_special_tokens, body.cache_salt,
                                   "messages")
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params_for(engine, prompt, max_tokens, body.to_sampling_params)
+    params = sampling_params_of(body)
     if reasoning is not None and params.structured_outputs is not None and not thinking_ended(
             text):  # the constraint applies to the answer, after the reasoning
         params.structured_outputs = replace(params.structured_outputs, start_after=END)
     if body.tool_mode == "auto" and not parser.skip_special_tokens:
         params.skip_special_tokens = False  # its markers are special tokens
+    prepared = await prepare(engine, prompt, params, body.priority, "messages")
     request_id = make_id("chatcmpl")
-    generations = await start_generations(request, engine, request_id, [prompt], [params],
-                                          body.priority)
+    generations = start_generations(request, engine, request_id, [prepared])
     view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer,
                     parser if body.tool_mode == "auto" else None, reasoning)
     if body.stream:

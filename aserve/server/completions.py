@@ -28,9 +28,10 @@ from aserve.server.serving import (
     event_stream,
     merged_outputs,
     parse_body,
+    prepare,
     process_prompt,
     running_engine,
-    sampling_params_for,
+    sampling_params_of,
     server_state,
     start_generations,
 )
@@ -53,11 +54,10 @@ async def create_completion(request: Request) -> Response:
     engine = running_engine(request)
     prompts = [await process_prompt(engine, p, body.add_special_tokens, body.cache_salt)
                for p in body.prompts()]
-    params = [sampling_params_for(engine, p, body.max_tokens, body.to_sampling_params)
-              for p in prompts]
+    params = sampling_params_of(body)
+    prepared = [await prepare(engine, p, params, body.priority) for p in prompts]
     request_id = make_id("cmpl")
-    generations = await start_generations(request, engine, request_id, prompts, params,
-                                          body.priority)
+    generations = start_generations(request, engine, request_id, prepared)
     view = CompletionView(body, server_state(request).model_name, request_id, engine.tokenizer)
     if body.stream:
         return event_stream(request, view.stream(generations), generations)

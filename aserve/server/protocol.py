@@ -232,15 +232,14 @@ class CompletionRequest(_GenerationRequest):
             return [prompt]
         return list(prompt)
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """`default_max_tokens` (max_model_len − prompt length) applies when max_tokens is null.
-        Raises `ValueError` naming the field for values `SamplingParams` rejects."""
+    def to_sampling_params(self) -> SamplingParams:
+        """max_tokens null stays None: the engine fills in what the context leaves. Raises
+        `ValueError` naming the field for values `SamplingParams` rejects."""
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
         kwargs = self._sampling_kwargs() | dict(prompt_logprobs=prompt_logprobs)
-        return SamplingParams(**kwargs, max_tokens=_or(self.max_tokens, default_max_tokens),
-                              logprobs=self.logprobs)
+        return SamplingParams(**kwargs, max_tokens=self.max_tokens, logprobs=self.logprobs)
 
 
 Messages = Annotated[list["ChatMessage"], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]
@@ -330,10 +329,11 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
             raise ValueError("continue_final_message is not supported yet.")
         return value
 
-    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
-        """max_completion_tokens wins over max_tokens; both null → `default_max_tokens`.
-        Raises `ValueError` naming the field for values `SamplingParams` rejects."""
-        max_tokens = _or(self.max_completion_tokens, _or(self.max_tokens, default_max_tokens))
+    def to_sampling_params(self) -> SamplingParams:
+        """max_completion_tokens wins over max_tokens; both null → None (the engine fills in
+        what the context leaves). Raises `ValueError` naming the field for values
+        `SamplingParams` rejects."""
+        max_tokens = _or(self.max_completion_tokens, self.max_tokens)
         logprobs = _or(self.top_logprobs, 0) if self.logprobs else None
         kwargs = self._sampling_kwargs()
         tool_constraint = self.tool_constraint()

@@ -19,7 +19,7 @@ from starlette.responses import StreamingResponse
 from aserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from aserve.engine.held_blocks import ServerBusyError
 from aserve.engine.outputs import RequestOutput
-from aserve.engine.processor import ProcessedPrompt
+from aserve.engine.processor import ContextLengthError, PreparedRequest, ProcessedPrompt
 from aserve.sampling_params import SamplingParams
 from aserve.server.errors import ErrorResponse, ServerError
 from aserve.server.metrics import RequestTracker
@@ -75,22 +75,28 @@ async def process_prompt(engine: AsyncEngine, prompt: str | list[int],
         raise error from e
 
 
-def sampling_params_for(engine: AsyncEngine, prompt: ProcessedPrompt, max_tokens: int | None,
-                        make_params: Callable[[int], SamplingParams]) -> SamplingParams:
-    """The request's params, with max_tokens defaulting to what fits in the context; a prompt
-    plus max_tokens over the context length is refused with vLLM's message."""
-    max_model_len = engine.model_info.max_model_len
-    num_prompt = len(prompt.prompt_token_ids)
-    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-        raise ServerError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.", 400, "max_tokens")
+def sampling_params_of(body) -> SamplingParams:
+    """The request's `SamplingParams` as its fields say (max_tokens None where the client gave
+    none: the engine fills in what the context leaves); a 400 naming the field they refuse."""
     try:
-        return make_params(max_model_len - num_prompt)
+        return body.to_sampling_params()
     except ValueError as e:
         raise ServerError.from_value_error(e) from e
+
+
+async def prepare(engine: AsyncEngine, prompt: ProcessedPrompt, params: SamplingParams,
+                  priority: int, param: str = "prompt") -> PreparedRequest:
+    """Checked against the model and its context, the constraint compiled (the engine's
+    processor), before the engine sees anything: a 400 naming the field (a prompt that does
+    not fit its context: `param`, the request's field holding it)."""
+    try:
+        return await engine.prepare(prompt, params, priority)
+    except ContextLengthError as e:
+        raise ServerError(str(e), 400, e.param or param) from e
+    except ValueError as e:
+        raise ServerError.from_value_error(e) from e
+    except EngineDeadError as e:
+        raise ServerError(str(e), 503) from e
 
 
 RETRY_AFTER_S = 1  # what an overloaded server tells clients to wait, in seconds
@@ -124,20 +130,21 @@ def check_capacity(request: Request, engine: AsyncEngine, num_new: int) -> None:
             headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-async def start_generations(request: Request, engine: AsyncEngine, request_id: str,
-                            prompts: list[ProcessedPrompt], params: list[SamplingParams],
-                            priority: int) -> list[Generation]:
+def start_generations(request: Request, engine: AsyncEngine, request_id: str,
+                      prepared: list[PreparedRequest]) -> list[Generation]:
+    """Hand every prepared prompt of one HTTP request to the engine (all were checked first,
+    so a bad one added nothing)."""
     state = server_state(request)
-    check_capacity(request, engine, sum(sp.n for sp in params))
+    check_capacity(request, engine, sum(p.params.n for p in prepared))
     timeout = state.config.request_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     generations: list[Generation] = []
     try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            stream = await engine.add_request(rid, prompt, sp, priority)
-            generations.append(Generation(prompt, sp, stream,
-                                          state.metrics.track(len(prompt.prompt_token_ids)),
+        for i, p in enumerate(prepared):
+            rid = request_id if len(prepared) == 1 else f"{request_id}-{i}"
+            stream = engine.add(rid, p)
+            generations.append(Generation(p.prompt, p.params, stream,
+                                          state.metrics.track(len(p.prompt.prompt_token_ids)),
                                           deadline))
     except ValueError as e:
         abort_all(generations)

@@ -58,10 +58,9 @@ class Spec:
                                 ignore_eos=self.ignore_eos,
                                 stop_token_ids=list(self.stop_token_ids),
                                 prompt_logprobs=self.prompt_logprobs)
-        params.eos_token_ids = (EOS,)
         return Request(self.req_id, list(self.prompt), params,
                        arrival_time=float(self.arrival_step), priority=self.priority,
-                       cache_salt=self.cache_salt)
+                       cache_salt=self.cache_salt, eos_token_ids=(EOS,))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -166,3 +167,49 @@ def test_step_token_budget_defaults_to_the_platforms(llm, model_dir_factory):
         want = llm.generate([long_prompt], greedy)
         got = small.generate([long_prompt], greedy)
         assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_the_context_is_checked_once_and_max_tokens_defaults_to_what_it_leaves(llm):
+    """The processor is the one place: a prompt that fills the context is refused, a null
+    max_tokens becomes what the context leaves (on the engine's copy, not the user's params),
+    offline a max_tokens past the context stops there (vLLM's LLM), and the server's strict
+    processor refuses it naming max_tokens (vLLM's server)."""
+    from aserve.engine.processor import ContextLengthError, Processor
+
+    processor = llm.processor
+    prompt = processor.process_prompt({"prompt_token_ids": [5] * 200})
+    user = SamplingParams(max_tokens=None, ignore_eos=True)
+    prepared = processor.prepare(prompt, user)
+    assert prepared.params.max_tokens == 56 and user.max_tokens is None
+    out = llm.generate({"prompt_token_ids": [5] * 250},
+                       SamplingParams(max_tokens=20, ignore_eos=True))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (6, "length")
+    with pytest.raises(ContextLengthError, match="maximum context length is 256 tokens"):
+        llm.generate({"prompt_token_ids": [5] * 256})
+    strict = Processor(llm.tokenizer, llm.model_info, strict_max_tokens=True)
+    with pytest.raises(ContextLengthError, match=r"requested 270 tokens \(250 in the messages"
+                       ) as info:
+        strict.prepare(strict.process_prompt({"prompt_token_ids": [5] * 250}),
+                       SamplingParams(max_tokens=20))
+    assert info.value.param == "max_tokens"
+
+
+def test_engine_state_lives_on_the_engine_request_not_on_the_users_params(llm):
+    """The model's EOS ids and the compiled constraint go on the engine's `Request`; the
+    user's `SamplingParams` keep only what the user set (and compare equal after a run)."""
+    from aserve.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    before = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"]))
+    processor = llm.processor
+    prepared = processor.prepare(processor.process_prompt("Hi"), params)
+    _, (request,) = processor.make_requests("r", prepared)
+    assert request.eos_token_ids == llm.model_info.eos_token_ids
+    assert request.grammar is prepared.grammar is not None
+    assert set(llm.model_info.eos_token_ids) <= request.stop_token_ids
+    assert llm.generate("Hi", params)[0].outputs[0].text in ("yes", "no")
+    assert params == before
+    user_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert not user_fields & {"eos_token_ids", "compiled_grammar", "grammar"}

@@ -12,8 +12,6 @@ def make_request(req_id: str = "r", prompt: Sequence[int] = (1, 2, 3), *, arriva
                  priority: int = 0, cache_salt: str | None = None,
                  eos_token_ids: tuple[int, ...] = (), **params) -> Request:
     """A request for `prompt` with `SamplingParams(**params)` (max_tokens defaults to 16 there);
-    `eos_token_ids` is what the engine would fill in from the model's generation config."""
-    sampling_params = SamplingParams(**params)
-    sampling_params.eos_token_ids = tuple(eos_token_ids)
-    return Request(req_id, list(prompt), sampling_params, arrival_time=arrival,
-                   priority=priority, cache_salt=cache_salt)
+    `eos_token_ids` is what the engine gives it from the model's generation config."""
+    return Request(req_id, list(prompt), SamplingParams(**params), arrival_time=arrival,
+                   priority=priority, cache_salt=cache_salt, eos_token_ids=eos_token_ids)

@@ -32,10 +32,17 @@ def sampler_kind(request):
     return request.param
 
 
-def state(prompt=(1, 2, 3), output=(), req_id="r", **params) -> CachedRequestState:
+def state(prompt=(1, 2, 3), output=(), req_id="r", eos_token_ids=(), **params
+          ) -> CachedRequestState:
+    """A running request's state; `eos_token_ids` are the engine's (stop unless ignore_eos)."""
+    sampling_params = SamplingParams(**params)
+    stop_ids = set(sampling_params.stop_token_ids)
+    if not sampling_params.ignore_eos:
+        stop_ids.update(eos_token_ids)
     return CachedRequestState(req_id=req_id, prompt_token_ids=list(prompt),
-                              sampling_params=SamplingParams(**params), block_ids=[],
-                              num_computed_tokens=len(prompt), output_token_ids=list(output))
+                              sampling_params=sampling_params, block_ids=[],
+                              num_computed_tokens=len(prompt), output_token_ids=list(output),
+                              stop_token_ids=frozenset(stop_ids))
 
 
 def build(states, vocab_size) -> SamplingMetadata:

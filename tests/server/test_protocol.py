@@ -242,7 +242,7 @@ def test_completion_maps_every_field_onto_sampling_params():
         ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3, prompt_logprobs=1,
         skip_special_tokens=False, spaces_between_special_tokens=False,
         include_stop_str_in_output=True, logit_bias={"11": -100, "12": 5.5}))
-    assert request.to_sampling_params(default_max_tokens=100) == SamplingParams(
+    assert request.to_sampling_params() == SamplingParams(
         n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, presence_penalty=0.5,
         frequency_penalty=-0.5, repetition_penalty=1.2, seed=7, stop=["###"], stop_token_ids=[3],
         ignore_eos=True, max_tokens=9, min_tokens=2, logprobs=3, prompt_logprobs=1,
@@ -251,35 +251,35 @@ def test_completion_maps_every_field_onto_sampling_params():
 
 
 def test_completion_defaults_match_sampling_params_defaults():
-    params = CompletionRequest(prompt="x").to_sampling_params(default_max_tokens=100)
+    params = CompletionRequest(prompt="x").to_sampling_params()
     assert params == SamplingParams(max_tokens=16)
 
 
-def test_null_max_tokens_falls_back_to_the_server_default():
+def test_null_max_tokens_is_left_to_the_engine():
+    """(the engine's processor fills in what the context leaves: tests/engine/test_llm.py)"""
     request = CompletionRequest.model_validate(completion(max_tokens=None))
-    assert request.to_sampling_params(default_max_tokens=100).max_tokens == 100
-    assert request.to_sampling_params(default_max_tokens=None).max_tokens is None
+    assert request.to_sampling_params().max_tokens is None
 
 
 def test_completion_echo_with_logprobs_asks_for_prompt_logprobs():
     request = CompletionRequest.model_validate(completion(echo=True, logprobs=2))
-    assert request.to_sampling_params(10).prompt_logprobs == 2
+    assert request.to_sampling_params().prompt_logprobs == 2
 
 
 @pytest.mark.parametrize("top_k", [None, 0, -1])
 def test_top_k_none_zero_or_minus_one_disables(top_k):
-    assert CompletionRequest(prompt="x", top_k=top_k).to_sampling_params(10).top_k == -1
+    assert CompletionRequest(prompt="x", top_k=top_k).to_sampling_params().top_k == -1
 
 
 @pytest.mark.parametrize("fields, expected", [
     ({"max_tokens": 5, "max_completion_tokens": 7}, 7),
     ({"max_tokens": 5}, 5),
     ({"max_completion_tokens": 7}, 7),
-    ({}, 100),
+    ({}, None),
 ])
 def test_chat_max_completion_tokens_wins_over_max_tokens(fields, expected):
     request = ChatCompletionRequest.model_validate(chat(**fields))
-    assert request.to_sampling_params(default_max_tokens=100).max_tokens == expected
+    assert request.to_sampling_params().max_tokens == expected
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -290,16 +290,16 @@ def test_chat_max_completion_tokens_wins_over_max_tokens(fields, expected):
 ])
 def test_chat_top_logprobs_become_sampling_logprobs(fields, expected):
     request = ChatCompletionRequest.model_validate(chat(**fields))
-    assert request.to_sampling_params(100).logprobs == expected
+    assert request.to_sampling_params().logprobs == expected
 
 
 def test_chat_maps_sampling_fields_like_completions():
     request = ChatCompletionRequest.model_validate(chat(
         temperature=0, seed=3, stop=["a", "b"], logit_bias={"7": 2}, n=3, top_k=0,
         ignore_eos=True, min_tokens=1, prompt_logprobs=0))
-    assert request.to_sampling_params(50) == SamplingParams(
+    assert request.to_sampling_params() == SamplingParams(
         temperature=0.0, seed=3, stop=["a", "b"], logit_bias={7: 2.0}, n=3, ignore_eos=True,
-        min_tokens=1, prompt_logprobs=0, max_tokens=50)
+        min_tokens=1, prompt_logprobs=0, max_tokens=None)
 
 
 @pytest.mark.parametrize("fields, name", [
@@ -309,7 +309,7 @@ def test_chat_maps_sampling_fields_like_completions():
 def test_sampling_params_rejections_surface_as_value_errors_naming_the_field(fields, name):
     request = CompletionRequest.model_validate(completion(**fields))
     with pytest.raises(ValueError, match=name) as info:
-        request.to_sampling_params(100)
+        request.to_sampling_params()
     error = ServerError.from_value_error(info.value)
     assert (error.status, error.param) == (400, name)
 
@@ -477,13 +477,13 @@ async def _parse_completion(request: Request):
 
 async def _parse_chat(request: Request):
     parsed = ChatCompletionRequest.model_validate_json(await request.body())
-    params = parsed.to_sampling_params(default_max_tokens=32)
+    params = parsed.to_sampling_params()
     if parsed.stream:
         return _sse([chat_role_chunk("chatcmpl-1", "m", 1, 0), ChatCompletionStreamResponse(
             id="chatcmpl-1", created=1, model="m", choices=[ChatCompletionStreamChoice(
                 index=0, delta=DeltaMessage(content="ok"), finish_reason="stop")])])
     return JSONResponse(ChatCompletionResponse(
-        model="m", usage=UsageInfo.of(1, params.max_tokens),
+        model="m", usage=UsageInfo.of(1, params.max_tokens or 32),
         choices=[ChatCompletionChoice(index=0, message=ChatResponseMessage(content="ok"),
                                       finish_reason="length")]).model_dump())
 
