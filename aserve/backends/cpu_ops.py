@@ -8,8 +8,9 @@
               else C++ decode + SDPA                  GEMM, else oneDNN     aserve's GEMM
     float16   C++ decode rows + SDPA    references    F.linear              reference    C++ scan
 
-bfloat16 also has the whole decoder layer as one C++ call (`cpu_block`). Its fused MoE
-(`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else `fused_moe_ref`.
+bfloat16 also has the whole decoder layer, and a stage's layers, as one C++ call (`cpu_block`).
+Its fused MoE (`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else
+`fused_moe_ref`.
 Without a C++ compiler every op is its reference, and bfloat16 linears still get oneDNN's
 packed GEMM.
 
@@ -26,12 +27,13 @@ import torch
 from aserve.backends.cpu_block import CpuDecoderBlock, CpuDecoderStack
 from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps, PackedLinear, fused_moe_ref_fn
 from aserve.kernels import cpu_elementwise, cpu_extension, cpu_gemm
+from aserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from aserve.kernels.cpu_attention import cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
 from aserve.kernels.cpu_moe import CpuFusedMoE
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 from aserve.kernels.rms_norm import rms_norm_ref
-from aserve.kernels.rotary import rope_ref
+from aserve.kernels.rotary import rotary_ref
 from aserve.kernels.store_kv import store_kv_ref
 
 # Sampling on the host's cores: exponential draws and whole-vocabulary sorts are slow there,
@@ -82,8 +84,7 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: 
     in one pass where k's heads follow q's in each row (a split of the qkv projection)."""
     rows = (q,) if k is None else (q, k)
     if positions.dtype != torch.int64 or any(x.dim() != 2 or x.stride(1) != 1 for x in rows):
-        for x in rows:
-            rope_ref(positions, x, cos, sin, head_dim, rotary_dim)
+        rotary_ref(positions, q, k, cos, sin, head_dim, rotary_dim)
         return
     if k is not None and (k.data_ptr() == q.data_ptr() + q.shape[1] * q.element_size()
                           and k.stride() == q.stride() and q.stride(0) >= q.shape[1] + k.shape[1]):
@@ -93,18 +94,17 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None, cos: 
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] -> [..., d]; contiguous rows in one C++ pass."""
+    """`silu_and_mul_ref`; contiguous rows in one C++ pass."""
     if x.is_contiguous():
         return cpu_elementwise.silu_and_mul(x)
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return silu_and_mul_ref(x)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] -> [..., d]; contiguous rows in one C++ pass."""
+    """`gelu_tanh_and_mul_ref`; contiguous rows in one C++ pass."""
     if x.is_contiguous():
         return cpu_elementwise.gelu_tanh_and_mul(x)
-    return cpu_elementwise.gelu_tanh_and_mul_ref(x)
+    return gelu_tanh_and_mul_ref(x)
 
 
 class OneDnnLinear:

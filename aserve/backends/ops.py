@@ -36,12 +36,13 @@ Each op has one calling convention whatever implements it:
     pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
                     (None: every linear is F.linear on the loaded weight)
-    decoder_layer(DecoderLayerWeights) -> DecoderLayerFn | None
-                    optional: a whole pre-norm decoder layer as one call, where the platform
-                    has one for these weights (None: module by module)
+    decoder_layer(layer) -> DecoderLayerFn | None
+                    optional: a pre-norm decoder layer (below; weights packed, KV cache bound)
+                    as one call, where the platform has one for it (None: module by module);
+                    the platform reads the layer's modules itself
     decoder_stack([DecoderLayerFn, ...]) -> DecoderLayerFn | None
-                    optional: consecutive layers' `decoder_layer` results (one KV cache
-                    group) as one call, same signature as one layer's (None: layer by layer)
+                    optional: consecutive layers' `decoder_layer` calls as one, same signature
+                    as one layer's (None: layer by layer)
     select_experts(router_logits, top_k, *, scoring, renormalize, weights_dtype)
                     -> (weights [T, k] float32, ids [T, k]): a MoE router's choice
     fused_moe(ExpertWeights) -> FusedMoEFn
@@ -51,17 +52,33 @@ Each op has one calling convention whatever implements it:
 
 Which implementation each platform picks, by dtype, is the table in docs/design.md ("Kernel
 selection"): `cpu_ops.py` for the CPU, `triton_ops.py` for CUDA / ROCm; XLA runs `REF_OPS`.
+
+A pre-norm decoder layer, the form `decoder_layer` reads (the Llama family's; a model's stack
+says its layers have it, `layers.decoder_stack.DecoderStack`):
+
+    layer.input_layernorm, .post_attention_layernorm        RMSNorm (weight, eps)
+    layer.self_attn: qkv_proj, q_norm | None, k_norm | None, rotary_emb, attn (the `Attention`:
+                     heads, scale, window, soft-cap, KV cache and group), o_proj, sinks | None
+    layer.mlp: gate_up_proj (gated) and down_proj where it is dense (a MoE block has neither)
+
+    residual += hidden; x = input_layernorm(residual)     (first layer: residual = hidden)
+    q, k, v = qkv_proj(x); q, k = q_norm/k_norm (if any), RoPE; store k, v; attend
+    residual += o_proj(attn); x = post_attention_layernorm(residual)
+    hidden = down_proj(silu(gate(x)) * up(x))                           -> (hidden, residual)
+
+`fuse_layers` puts the two together for a stack's layers; `bind_ops` installs its answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
+from aserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from aserve.kernels.moe import fused_moe_ref, select_experts
 from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.rms_norm import rms_norm_ref
@@ -88,49 +105,9 @@ class DecoderLayerFn(Protocol):
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
                  residual: torch.Tensor | None, metadata: object
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, residual) after the layer, as the layer's modules compute them; None for a
-        step this fast path does not cover (the layer then runs its modules)."""
-
-
-@dataclass(frozen=True)
-class DecoderLayerWeights:
-    """One pre-norm decoder layer as plain tensors, filled by the model for `decoder_layer`:
-
-        residual += hidden; x = input_norm(residual)          (first layer: residual = hidden)
-        q, k, v = x Wqkv^T (+ b); q, k = q_norm/k_norm (if any), RoPE; store k, v; attend
-        residual += attn Wo^T (+ b); x = post_norm(residual)
-        hidden = (silu(x Wgate^T) * x Wup^T) Wdown^T (+ b)
-
-    `qkv`, `o`, `gate_up`, `down` are what `pack_linears` returned (None: not packed). There are
-    no attention sinks here: a layer with sinks must not ask for `decoder_layer`.
-    """
-
-    input_norm: torch.Tensor
-    input_norm_eps: float
-    post_norm: torch.Tensor
-    post_norm_eps: float
-    qkv: PackedLinear | None
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    o: PackedLinear | None
-    o_bias: torch.Tensor | None
-    gate_up: PackedLinear | None
-    gate_up_bias: torch.Tensor | None
-    down: PackedLinear | None
-    down_bias: torch.Tensor | None
-    cos: torch.Tensor  # [max_positions, rotary_dim]
-    sin: torch.Tensor
-    rotary_dim: int
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    num_heads: int  # this rank's
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    sliding_window: int | None
-    soft_cap: float | None
-    tp_size: int  # > 1: the row-parallel outputs need an all-reduce
+        """(hidden, residual) after the layer(s), as their modules compute them, from the step's
+        metadata (each call reads its KV cache group's); None for a step this call does not
+        cover (the modules then run)."""
 
 
 @dataclass(frozen=True)
@@ -168,16 +145,6 @@ def fused_moe_ref_fn(w: ExpertWeights) -> FusedMoEFn:
     return run
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
 def argmax_ref(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
@@ -199,7 +166,7 @@ class KernelOps:
     top_p_candidates: int = 0
     pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
                            list[PackedLinear | None]] | None = None
-    decoder_layer: Callable[[DecoderLayerWeights], DecoderLayerFn | None] | None = None
+    decoder_layer: Callable[[nn.Module], DecoderLayerFn | None] | None = None
     decoder_stack: Callable[[Sequence[DecoderLayerFn]], DecoderLayerFn | None] | None = None
     select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]] = select_experts
     fused_moe: Callable[[ExpertWeights], FusedMoEFn] = fused_moe_ref_fn
@@ -207,3 +174,63 @@ class KernelOps:
 
 REF_OPS = KernelOps("ref")
 """The torch references: float32 on any device, XLA, and layers not bound to a platform yet."""
+
+
+def unfused(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+            metadata: object) -> None:
+    """The fused form of layers the platform runs module by module: it covers no step."""
+    return None
+
+
+def fuse_layers(ops: KernelOps, layers: Sequence[nn.Module]) -> DecoderLayerFn:
+    """Consecutive pre-norm decoder layers (the form above) as the platform's whole-layer calls
+    (`FusedLayers`), or `unfused` where it has none."""
+    return unfused if ops.decoder_layer is None or not layers else FusedLayers(ops, layers)
+
+
+class FusedLayers:
+    """A stack's layers through `ops.decoder_layer` / `ops.decoder_stack`, chosen at the first
+    step after their KV caches are bound (and again after a rebinding: the runner binds every
+    layer's cache together, after `bind_ops`): the stack as one call where every layer has a
+    whole-layer call and the platform stacks them; else layer by layer, each layer's call where
+    it has one and its modules where not; else none. A step that a call does not cover runs the
+    modules instead (the stack's, all of them: None here)."""
+
+    def __init__(self, ops: KernelOps, layers: Sequence[nn.Module]) -> None:
+        self.ops, self.layers = ops, list(layers)
+        self._attn = self.layers[0].self_attn.attn  # whose KV cache (re)binding we watch
+        self._bound: torch.Tensor | None = None  # the KV cache of the current choice
+        self._run: DecoderLayerFn = unfused  # no cache yet (memory profiling): the modules
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None, metadata: object
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._attn.kv_cache is not self._bound:
+            self._bound = self._attn.kv_cache
+            self._run = unfused if self._bound is None else self._choose()
+        return self._run(positions, hidden, residual, metadata)
+
+    def _choose(self) -> DecoderLayerFn:
+        calls = [self.ops.decoder_layer(layer) for layer in self.layers]
+        if None not in calls and self.ops.decoder_stack is not None:
+            stack = self.ops.decoder_stack(calls)
+            if stack is not None:
+                return stack
+        if all(call is None for call in calls):
+            return unfused
+        return _LayerByLayer(zip(calls, self.layers))
+
+
+class _LayerByLayer:
+    """Each layer's whole-layer call where it has one (and takes the step), else its modules."""
+
+    def __init__(self, layers: Iterable[tuple[DecoderLayerFn | None, nn.Module]]) -> None:
+        self.layers = list(layers)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor,
+                 residual: torch.Tensor | None, metadata: object
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        for call, layer in self.layers:
+            out = None if call is None else call(positions, hidden, residual, metadata)
+            hidden, residual = layer(positions, hidden, residual, metadata) if out is None else out
+        return hidden, residual

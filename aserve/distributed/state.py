@@ -174,11 +174,3 @@ def expert_range(num_experts: int, rank: int | None = None, size: int | None = N
     base, extra = divmod(num_experts, size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (rank < extra))
-
-
-def ep_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the expert-parallel group, in place; identity for one rank."""
-    if _ep_size == 1:
-        return x
-    torch.distributed.all_reduce(x, group=_ep_group)
-    return x

@@ -23,6 +23,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from aserve.kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    silu_and_mul_ref,
+    swiglu_oai_and_mul_ref,
+)
+
 # activations of the gated experts: act([gate | up]) -> [I]
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 SCORINGS = ("softmax", "topk_softmax")
@@ -58,20 +64,14 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring: str = "s
 
 def apply_activation(gate_up: torch.Tensor, activation: str, alpha: float = 1.702,
                      limit: float | None = None) -> torch.Tensor:
-    """[..., 2I] = [gate | up] -> [..., I] in the input's dtype.
-
-    silu: silu(gate) * up; gelu_tanh: gelu(gate, tanh) * up; swiglu_oai (gpt-oss): gate clamped
-    above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
-    """
-    gate, up = gate_up.chunk(2, dim=-1)
+    """[..., 2I] = [gate | up] -> [..., I] in the input's dtype: the reference of `activation`
+    (`aserve.kernels.activation`: silu, gelu_tanh, or gpt-oss' clamped swiglu_oai)."""
     if activation == "silu":
-        return F.silu(gate) * up
+        return silu_and_mul_ref(gate_up)
     if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
+        return gelu_tanh_and_mul_ref(gate_up)
     if activation == "swiglu_oai":
-        if limit is not None:
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        return swiglu_oai_and_mul_ref(gate_up, alpha, limit)
     raise ValueError(f"unknown expert activation {activation!r}; known: "
                      f"{', '.join(ACTIVATIONS)}.")
 

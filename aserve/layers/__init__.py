@@ -6,6 +6,7 @@ from __future__ import annotations
 from aserve.layers.activation import GeluTanhAndMul, SiluAndMul
 from aserve.layers.attention import Attention, AttentionMetadata
 from aserve.layers.bind import OpsLayer, bind_ops
+from aserve.layers.decoder_stack import DecoderStack
 from aserve.layers.embedding import LMHead, ScaledVocabEmbedding, VocabEmbedding
 from aserve.layers.linear import (
     ColumnParallelLinear,
@@ -18,8 +19,8 @@ from aserve.layers.norm import GemmaRMSNorm, RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 
 __all__ = [
-    "Attention", "AttentionMetadata", "ColumnParallelLinear", "GeluTanhAndMul", "GemmaRMSNorm",
-    "LMHead", "MergedColumnParallelLinear", "OpsLayer", "QKVParallelLinear", "RMSNorm",
-    "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear", "ScaledVocabEmbedding",
-    "SiluAndMul", "VocabEmbedding", "bind_ops", "get_rope",
+    "Attention", "AttentionMetadata", "ColumnParallelLinear", "DecoderStack", "GeluTanhAndMul",
+    "GemmaRMSNorm", "LMHead", "MergedColumnParallelLinear", "OpsLayer", "QKVParallelLinear",
+    "RMSNorm", "ReplicatedLinear", "RotaryEmbedding", "RowParallelLinear",
+    "ScaledVocabEmbedding", "SiluAndMul", "VocabEmbedding", "bind_ops", "get_rope",
 ]

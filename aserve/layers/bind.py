@@ -5,7 +5,8 @@ layer not bound yet runs `REF_OPS`, the float32 torch references.
 
 Binding also packs the linear weights, where the platform has a GEMM layout of its own
 (`KernelOps.pack_linears`), all in one call and in forward order, and prepares each
-`PreparedLayer` (a MoE layer's experts for `KernelOps.fused_moe`).
+`PreparedLayer` (a MoE layer's experts for `KernelOps.fused_moe`; a `DecoderStack`'s layers
+for the platform's whole-layer calls, `backends.ops.fuse_layers`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class PackableLinear(OpsLayer):
 
 class PreparedLayer(OpsLayer):
     """A layer that hands its loaded weights to its ops once they are bound (`prepare`), e.g.
-    a MoE layer's experts to `ops.fused_moe`, which may pack them."""
+    a MoE layer's experts to `ops.fused_moe`, which may pack them, or a decoder stack its
+    layers to `fuse_layers`."""
 
     def prepare(self) -> None:
         """Called by `bind_ops` after `self.ops` is set (and after loading)."""

@@ -38,6 +38,17 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def load_into(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+    """A checkpoint tensor into `param`: through the loader its layer hung on it
+    (`param.weight_loader(param, loaded, shard_id)`: a shard of a packed or parallel layer), else
+    a plain copy."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is None:
+        default_weight_loader(param, loaded)
+    else:
+        loader(param, loaded, shard_id)
+
+
 class LinearBase(PackableLinear):
     """`y = x W^T + b` with a [output_size, input_size] weight on this rank; once the platform
     has packed the weight (`aserve.layers.bind_ops`), its GEMM instead of F.linear."""

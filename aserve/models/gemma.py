@@ -19,8 +19,8 @@ done by the next layer (or the final norm), which is the same sum HF computes.
 
 Parameter names are HF's, except the packed projections of `packed_modules` (as in Llama);
 `checkpoint_prefixes` maps a multimodal checkpoint's text-tower names onto them and skips its
-vision tower. No layer here has a whole-layer fast path: `ops.decoder_layer` covers pre-norm
-Llama layers only.
+vision tower. The sandwich layers are not the pre-norm form a platform may run whole
+(`backends.ops`): they always run module by module.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import GeluTanhAndMul
 from aserve.layers.attention import AttentionMetadata
+from aserve.layers.decoder_stack import DecoderStack
 from aserve.layers.embedding import ScaledVocabEmbedding
 from aserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from aserve.layers.norm import GemmaRMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.models.arch_config import ModelArchConfig
-from aserve.models.causal_lm import CausalLM, DecoderStack
-from aserve.models.llama import LlamaAttention, MissingLayer
+from aserve.models.causal_lm import CausalLM
+from aserve.models.llama import LlamaAttention
 
 
 class GemmaMLP(nn.Module):
@@ -81,41 +81,10 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(hidden), residual  # [T, hidden] each
 
 
-class GemmaModel(DecoderStack):
-    """The decoder stack, or this pipeline stage's share of it (see `LlamaModel`)."""
-
-    def __init__(self, arch: ModelArchConfig) -> None:
-        super().__init__()
-        dtype = torch.get_default_dtype()
-        self.is_first = get_pp_rank() == 0
-        self.is_last = get_pp_rank() == get_pp_size() - 1
-        rope = (arch.head_dim, arch.rotary_dim, arch.max_position_embeddings)
-        self.rotary_emb = get_rope(*rope, arch.rope_theta, arch.rope_scaling, dtype)
-        self.local_rotary_emb = self.rotary_emb  # the sliding layers' (Gemma-3: its own base)
-        if arch.local_rope_theta is not None:
-            self.local_rotary_emb = get_rope(*rope, arch.local_rope_theta,
-                                             arch.local_rope_scaling, dtype)
-        needs_embedding = self.is_first or (self.is_last and arch.tie_word_embeddings)
-        self.embed_tokens = (ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size,
-                                                  arch.hidden_size**0.5)
-                             if needs_embedding else None)
-        self.owned = stage_layers(arch.num_layers)
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(arch, self._rope_of(arch, i), i) if i in self.owned
-            else MissingLayer() for i in range(arch.num_layers))
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
-
-    def _rope_of(self, arch: ModelArchConfig, layer_idx: int) -> RotaryEmbedding:
-        sliding = arch.layer_types and arch.layer_types[layer_idx] == "sliding_attention"
-        return self.local_rotary_emb if sliding else self.rotary_emb
-
-
-
 class GemmaForCausalLM(CausalLM):
     """Serves Gemma2ForCausalLM, Gemma3ForCausalLM and the text of
     Gemma3ForConditionalGeneration; the runner treats it as it does `LlamaForCausalLM`."""
 
-    model_cls = GemmaModel
     # checkpoint name prefix -> this model's (None: a part not served, skipped). A
     # Gemma3ForConditionalGeneration checkpoint names its text tower either way.
     checkpoint_prefixes = {
@@ -127,6 +96,26 @@ class GemmaForCausalLM(CausalLM):
         "model.multi_modal_projector.": None,
         "multi_modal_projector.": None,
     }
+
+    def build_stack(self, arch: ModelArchConfig) -> DecoderStack:
+        dtype = torch.get_default_dtype()
+        rope = (arch.head_dim, arch.rotary_dim, arch.max_position_embeddings)
+        rotary_emb = get_rope(*rope, arch.rope_theta, arch.rope_scaling, dtype)
+        local_rotary_emb = rotary_emb  # the sliding layers' (Gemma-3: its own base)
+        if arch.local_rope_theta is not None:
+            local_rotary_emb = get_rope(*rope, arch.local_rope_theta, arch.local_rope_scaling,
+                                        dtype)
+
+        def layer(i: int) -> GemmaDecoderLayer:
+            sliding = arch.layer_types and arch.layer_types[i] == "sliding_attention"
+            return GemmaDecoderLayer(arch, local_rotary_emb if sliding else rotary_emb, i)
+
+        return DecoderStack(
+            arch.num_layers, layer,
+            embedding=lambda: ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size,
+                                                   arch.hidden_size**0.5),
+            norm=lambda: GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps),
+            tied_embedding=arch.tie_word_embeddings, rotary_emb=rotary_emb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab], soft-capped where the model says."""

@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from aserve.backends.ops import DecoderLayerFn, DecoderLayerWeights
-from aserve.distributed import get_pp_rank, get_pp_size, stage_layers
 from aserve.layers.activation import SiluAndMul
 from aserve.layers.attention import AttentionMetadata
-from aserve.layers.bind import OpsLayer
+from aserve.layers.decoder_stack import DecoderStack
 from aserve.layers.embedding import VocabEmbedding
 from aserve.layers.linear import (
     MergedColumnParallelLinear,
@@ -32,7 +30,7 @@ from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import RotaryEmbedding, get_rope
 from aserve.layers.ulysses import make_attention
 from aserve.models.arch_config import ModelArchConfig
-from aserve.models.causal_lm import CausalLM, DecoderStack
+from aserve.models.causal_lm import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -114,10 +112,9 @@ def make_mlp(arch: ModelArchConfig, layer_idx: int) -> nn.Module:
     return SparseMoeBlock(moe, arch.hidden_size, shared)
 
 
-class LlamaDecoderLayer(OpsLayer):
-    """Pre-norm attention then MLP (or MoE block); where the bound ops have a whole-layer fast
-    path for this layer's weights (`ops.decoder_layer`, dense MLPs only), a step runs as that
-    one call instead."""
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention then MLP (or MoE block): the pre-norm form of `backends.ops`, which a
+    platform may run whole (`DecoderStack(pre_norm=True)`)."""
 
     def __init__(self, arch: ModelArchConfig, rotary_emb: RotaryEmbedding,
                  layer_idx: int = 0) -> None:
@@ -126,54 +123,10 @@ class LlamaDecoderLayer(OpsLayer):
         self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        # (the KV cache it was made for, fast_path()'s answer)
-        self._fast: tuple[torch.Tensor, tuple[DecoderLayerFn, int] | None] | None = None
-
-    def layer_weights(self) -> DecoderLayerWeights:
-        """This layer's tensors for `ops.decoder_layer` (its KV cache bound)."""
-        attn_mod, mlp = self.self_attn, self.mlp
-        attn, rotary = attn_mod.attn, attn_mod.rotary_emb
-        norms = (self.input_layernorm, self.post_attention_layernorm)
-        qkv, o, gate_up, down = (attn_mod.qkv_proj, attn_mod.o_proj, mlp.gate_up_proj,
-                                 mlp.down_proj)
-        return DecoderLayerWeights(
-            input_norm=norms[0].weight.data, input_norm_eps=norms[0].eps,
-            post_norm=norms[1].weight.data, post_norm_eps=norms[1].eps,
-            qkv=qkv.packed_weight, qkv_bias=_data(qkv.bias),
-            q_norm=None if attn_mod.q_norm is None else attn_mod.q_norm.weight.data,
-            k_norm=None if attn_mod.k_norm is None else attn_mod.k_norm.weight.data,
-            o=o.packed_weight, o_bias=_data(o.bias),
-            gate_up=gate_up.packed_weight, gate_up_bias=_data(gate_up.bias),
-            down=down.packed_weight, down_bias=_data(down.bias),
-            cos=rotary.cos_cache, sin=rotary.sin_cache, rotary_dim=rotary.rotary_dim,
-            k_cache=attn.kv_cache[0], v_cache=attn.kv_cache[1],
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            scale=attn.scale, sliding_window=attn.sliding_window, soft_cap=attn.soft_cap,
-            tp_size=qkv.tp_size)
-
-    def fast_path(self) -> tuple[DecoderLayerFn, int] | None:
-        """The whole layer as one call (`ops.decoder_layer`) and its KV cache group, or None
-        where the bound ops have none for this layer; made once per KV cache bound.
-        `DecoderStack` stacks its layers' (`ops.decoder_stack`)."""
-        kv_cache = self.self_attn.attn.kv_cache
-        if (self.ops.decoder_layer is None or kv_cache is None
-                or not isinstance(self.mlp, LlamaMLP) or self.self_attn.sinks is not None
-                or self.self_attn.attn.exchanges_heads):
-            return None
-        if self._fast is None or self._fast[0] is not kv_cache:
-            fn = self.ops.decoder_layer(self.layer_weights())
-            self._fast = (kv_cache, None if fn is None else (fn, self.self_attn.attn.kv_group))
-        return self._fast[1]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, attn_metadata: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        fast = self.fast_path()
-        if fast is not None:
-            fn, group = fast
-            out = fn(positions, hidden, residual, attn_metadata.for_group(group))
-            if out is not None:
-                return out
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -183,41 +136,18 @@ class LlamaDecoderLayer(OpsLayer):
         return self.mlp(hidden), residual
 
 
-def _data(param: nn.Parameter | None) -> torch.Tensor | None:
-    return None if param is None else param.data
-
-
-class MissingLayer(nn.Module):
-    """Stands in for a decoder layer another pipeline stage runs: keeps layer indices (and so
-    checkpoint names) aligned, holds nothing, is never called."""
-
-
-class LlamaModel(DecoderStack):
-    """The decoder stack, or this pipeline stage's share of it: the first stage embeds the
-    tokens, the last applies the final norm; the others pass (hidden, residual) along."""
-
-    def __init__(self, arch: ModelArchConfig) -> None:
-        super().__init__()
-        dtype = torch.get_default_dtype()
-        self.is_first = get_pp_rank() == 0
-        self.is_last = get_pp_rank() == get_pp_size() - 1
-        self.rotary_emb = get_rope(arch.head_dim, arch.rotary_dim, arch.max_position_embeddings,
-                                   arch.rope_theta, arch.rope_scaling, dtype)
-        needs_embedding = self.is_first or (self.is_last and arch.tie_word_embeddings)
-        self.embed_tokens = (VocabEmbedding(arch.vocab_size, arch.hidden_size)
-                             if needs_embedding else None)
-        self.owned = stage_layers(arch.num_layers)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, self.rotary_emb, i) if i in self.owned else MissingLayer()
-            for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if self.is_last else None
-
-
-
 class LlamaForCausalLM(CausalLM):
     """Also serves MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and the mixtures of
     experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, GptOssForCausalLM."""
 
-    model_cls = LlamaModel
     # Mixtral's MoE block, gpt-oss' router
     checkpoint_renames = ((r"\.block_sparse_moe\.", ".mlp."), (r"\.mlp\.router\.", ".mlp.gate."))
+
+    def build_stack(self, arch: ModelArchConfig) -> DecoderStack:
+        rotary_emb = get_rope(arch.head_dim, arch.rotary_dim, arch.max_position_embeddings,
+                              arch.rope_theta, arch.rope_scaling, torch.get_default_dtype())
+        return DecoderStack(
+            arch.num_layers, lambda i: LlamaDecoderLayer(arch, rotary_emb, i),
+            embedding=lambda: VocabEmbedding(arch.vocab_size, arch.hidden_size),
+            norm=lambda: RMSNorm(arch.hidden_size, arch.rms_norm_eps),
+            tied_embedding=arch.tie_word_embeddings, rotary_emb=rotary_emb, pre_norm=True)

@@ -24,9 +24,10 @@ from safetensors import safe_open
 from torch import nn
 
 from aserve.config import ModelConfig
-from aserve.layers.linear import default_weight_loader
-from aserve.layers.moe import expert_target
+from aserve.layers.linear import load_into
+from aserve.layers.moe import FusedMoE, expert_target
 from aserve.models.arch_config import ModelArchConfig
+from aserve.models.causal_lm import CausalLM
 from aserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -145,12 +146,14 @@ def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
-def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) -> set[str]:
+def _expected_names(model: CausalLM, packed: dict[str, tuple[str, str | int]]) -> set[str]:
     """Checkpoint names the model needs: its parameter names with packed modules unpacked
-    (expert parameters aside: their layers account for them, `missing_weights`)."""
+    (expert parameters aside: their `FusedMoE` accounts for them, `missing_weights`)."""
+    experts = {name for prefix, module in model.named_modules() if isinstance(module, FusedMoE)
+               for name in (f"{prefix}.{local}" for local, _ in module.named_parameters())}
     names = set()
-    for name, param in model.named_parameters():
-        if hasattr(param, "expert_range"):
+    for name, _ in model.named_parameters():
+        if name in experts:
             continue
         sources = [name.replace(f".{p}.", f".{m}.") for m, (p, _) in packed.items()
                    if f".{p}." in name]
@@ -158,26 +161,24 @@ def _expected_names(model: nn.Module, packed: dict[str, tuple[str, str | int]]) 
     return names
 
 
-def _missing(model: nn.Module, packed: dict[str, tuple[str, str | int]],
+def _missing(model: CausalLM, packed: dict[str, tuple[str, str | int]],
              loaded: set[str]) -> list[str]:
     missing = sorted(_expected_names(model, packed) - loaded)
     for prefix, module in model.named_modules():
-        if hasattr(module, "missing_weights"):
+        if isinstance(module, FusedMoE):
             missing += module.missing_weights(prefix.removesuffix(".experts"))
     return missing
 
 
-def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
+def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded.
 
     A name is renamed (prefixes, then the model's regex renames), then matched as an expert
     tensor (`expert_target`: only this rank's experts are read) before the packed-module
     renames, so `experts.{e}.gate_proj` is an expert's and `mlp.gate_proj` the dense MLP's.
     """
-    packed = getattr(model, "packed_modules", {})
-    prefixes = getattr(model, "checkpoint_prefixes", {})
-    renames = getattr(model, "checkpoint_renames", ())
-    owns = getattr(model, "owns_weight", lambda name: True)  # another pipeline stage's: skip
+    packed, prefixes = model.packed_modules, model.checkpoint_prefixes
+    renames, owns = model.checkpoint_renames, model.owns_weight  # (another stage's: skipped)
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
     for path in files:
@@ -200,12 +201,8 @@ def load_weights(model: nn.Module, files: list[Path], tied: bool) -> None:
                     unexpected.append(name)
                     continue
                 param = params[target]
-                loader = getattr(param, "weight_loader", None)
                 try:
-                    if loader is None:
-                        default_weight_loader(param, f.get_tensor(stored))
-                    else:
-                        loader(param, f.get_tensor(stored), shard_id)
+                    load_into(param, f.get_tensor(stored), shard_id)
                 except ValueError as e:
                     raise ValueError(f"cannot load weight {stored} from {path.name}: {e}"
                                      ) from None

@@ -36,24 +36,29 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from aserve import LLM, SamplingParams
-    from aserve.models import causal_lm
+    from dataclasses import replace
 
-    stacked = causal_lm.DecoderStack._fast_stack
-    modes = {"stack": stacked, "layers": lambda self: None}  # None: layer by layer
+    from aserve import LLM, SamplingParams
+    from aserve.backends.ops import fuse_layers
+
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=args.batch)
     prompts = [{"prompt_token_ids": p}
                for p in make_prompts(args.batch, 16, vocab_size_of(args.model))]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     core = llm.engine_core
+    runner = core.executor.worker.runner
+    stack = runner.model.model  # the DecoderStack: its `fused` is the platform's choice
+    stacked = stack.fused
+    layers = fuse_layers(replace(runner.ops, decoder_stack=None), list(stack.owned_layers()))
+    modes = {"stack": stacked, "layers": layers}  # layers: each layer's block, one by one
     tpot: dict[str, list[float]] = {m: [] for m in modes}
     forward: dict[str, list[float]] = {m: [] for m in modes}
     tokens: dict[str, list] = {}
     try:
         for r in range(args.rounds):
             for mode in (list(modes) if r % 2 == 0 else list(reversed(modes))):
-                causal_lm.DecoderStack._fast_stack = modes[mode]
+                stack.fused = modes[mode]
                 llm.reset_prefix_cache()
                 since, t0 = time.monotonic(), time.perf_counter()
                 outs = llm.generate(prompts, params)
@@ -63,7 +68,7 @@ def main() -> int:
                 forward[mode].append(1e3 * statistics.mean(s[3] for s in decodes))
                 tokens.setdefault(mode, [o.outputs[0].token_ids for o in outs])
     finally:
-        causal_lm.DecoderStack._fast_stack = stacked
+        stack.fused = stacked
         core.shutdown()
     if tokens["stack"] != tokens["layers"]:
         print("error: the stack's tokens differ from the layers'", file=sys.stderr)

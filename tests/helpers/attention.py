@@ -1,8 +1,11 @@
-"""Ragged paged-attention batches and their dense float64 answer, for the kernel tests."""
+"""Ragged paged-attention batches and their dense float64 answer, for the kernel tests; a
+step's `AttentionMetadata` from host lists (`build_metadata`)."""
 
 from __future__ import annotations
 
 import torch
+
+from aserve.layers.attention import AttentionMetadata
 
 # (q_len, seq_len) per request: a full prefill, decodes, chunks after cached context
 MIXED = [(7, 7), (1, 9), (3, 20), (1, 1), (5, 17), (1, 33), (16, 40)]
@@ -59,3 +62,27 @@ def expected(q, starts, keys, values, scale, window=None, soft_cap=None):
     for r, (k, v) in enumerate(zip(keys, values, strict=True)):
         parts.append(dense_attention(q[starts[r]:starts[r + 1]], k, v, scale, window, soft_cap))
     return torch.cat(parts)
+
+
+def build_metadata(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                   block_size: int, device: torch.device | str = "cpu",
+                   num_tokens: int | None = None) -> AttentionMetadata:
+    """Metadata from host lists; tokens past sum(query_lens) up to num_tokens are padding."""
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    slots: list[int] = []
+    for q_len, seq_len, blocks in zip(query_lens, seq_lens, block_tables, strict=True):
+        for pos in range(seq_len - q_len, seq_len):
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    slots += [-1] * ((num_tokens or len(slots)) - len(slots))
+    width = max((len(b) for b in block_tables), default=0)
+    table = [b + [0] * (width - len(b)) for b in block_tables]
+    block_table = torch.tensor(table, dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_table=block_table.reshape(len(table), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))

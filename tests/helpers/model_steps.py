@@ -10,8 +10,8 @@ import torch
 from aserve.backends import CpuPlatform
 from aserve.config import ModelConfig
 from aserve.layers import bind_ops
-from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
+from helpers.attention import build_metadata
 from helpers.hf_models import load_hf_model
 
 BLOCK_SIZE = 4
@@ -43,8 +43,8 @@ def step(model, chunks):
     returns float32 logits of the new tokens of each request, concatenated."""
     ids = torch.cat([tokens[-n:] for tokens, n, _ in chunks])
     positions = torch.cat([torch.arange(len(t) - n, len(t)) for t, n, _ in chunks])
-    md = AttentionMetadata.build([n for _, n, _ in chunks], [len(t) for t, _, _ in chunks],
-                                 [b for _, _, b in chunks], BLOCK_SIZE)
+    md = build_metadata([n for _, n, _ in chunks], [len(t) for t, _, _ in chunks],
+                        [b for _, _, b in chunks], BLOCK_SIZE)
     with torch.inference_mode():
         return model.compute_logits(model(ids, positions, md))
 

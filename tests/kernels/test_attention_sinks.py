@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers.attention import dense_attention
+from helpers.attention import build_metadata, dense_attention
 from helpers.hybrid_batch import (
     Batch,
     assert_hybrid_changes_something,
@@ -287,7 +287,7 @@ def test_sinks_must_be_one_per_query_head():
 def _layer_steps(ops, dtype: torch.dtype, window: int | None, sinks: torch.Tensor | None):
     """An `Attention` layer bound to `ops` over two steps (prompts of 7 and 12 tokens, then a
     decode and a 3-token chunk after them); the second step's output and its HF answer."""
-    from aserve.layers.attention import Attention, AttentionMetadata
+    from aserve.layers.attention import Attention
 
     hq, hkv, d, bs = 8, 2, 64, 4
     layer = Attention(hq, hkv, d, d**-0.5, sliding_window=window)
@@ -301,7 +301,7 @@ def _layer_steps(ops, dtype: torch.dtype, window: int | None, sinks: torch.Tenso
 
     def step(parts: list[list[int]], query_lens: list[int], seq_lens: list[int]):
         idx = [i for part in parts for i in part]
-        m = AttentionMetadata.build(query_lens, seq_lens, tables, bs)
+        m = build_metadata(query_lens, seq_lens, tables, bs)
         out = layer(q[idx].flatten(1), k[idx].flatten(1), v[idx].flatten(1), m, sinks=sinks)
         return out.view(-1, hq, d)
 
@@ -331,10 +331,10 @@ def test_attention_layer_hands_its_sinks_to_the_op_that_runs(dtype, window):
 
 
 def test_attention_profiling_forward_ignores_sinks():
-    from aserve.layers.attention import Attention, AttentionMetadata
+    from aserve.layers.attention import Attention
 
     layer = Attention(4, 2, 16, 0.25)
-    m = AttentionMetadata.build([3, 5], [3, 5], [[1], [2, 3]], 4)
+    m = build_metadata([3, 5], [3, 5], [[1], [2, 3]], 4)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(8, h * 16, generator=gen) for h in (4, 2, 2))
     assert torch.equal(layer(q, k, v, m, sinks=torch.full((4,), 5.0)), layer(q, k, v, m))

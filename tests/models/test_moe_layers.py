@@ -100,7 +100,12 @@ class Holder(nn.Module):
     """A model around one block: HF's names for it under `mlp.`, the loader's tables."""
 
     packed_modules = CausalLM.packed_modules
+    checkpoint_prefixes = CausalLM.checkpoint_prefixes
     checkpoint_renames = ((r"^mlp\.router\.", "mlp.gate."),)  # gpt-oss names its router so
+
+    @staticmethod
+    def owns_weight(name: str) -> bool:
+        return True
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()

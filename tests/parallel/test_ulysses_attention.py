@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers.attention import make_batch
+from helpers.attention import build_metadata, make_batch
 from helpers.server import free_port
 
-from aserve.layers.attention import Attention, AttentionMetadata
+from aserve.layers.attention import Attention
 
 REQS = [(7, 7), (1, 9), (3, 20), (1, 1), (5, 17)]  # (q_len, seq_len): 17 rows
 HEAD_DIM, BLOCK_SIZE, SP = 8, 4, 2
@@ -32,8 +32,7 @@ def step(case: str):
     q, k_cache, v_cache, starts, seq_lens, table, keys, values = make_batch(
         REQS, num_heads, num_kv_heads, HEAD_DIM, BLOCK_SIZE, seed=len(case))
     blocks = [[b for b in row if b >= 0] for row in table.tolist()]
-    meta = AttentionMetadata.build([q_len for q_len, _ in REQS], seq_lens.tolist(), blocks,
-                                   BLOCK_SIZE)
+    meta = build_metadata([q_len for q_len, _ in REQS], seq_lens.tolist(), blocks, BLOCK_SIZE)
     k_new = torch.cat([kr[s - n:] for kr, (n, s) in zip(keys, REQS, strict=True)])
     v_new = torch.cat([vr[s - n:] for vr, (n, s) in zip(values, REQS, strict=True)])
     cache = torch.stack([k_cache, v_cache]).flatten(1, 2)  # [2, NB * BS, Hkv, D]
