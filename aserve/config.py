@@ -39,7 +39,9 @@ class PrefillPolicy:
     rate), and prompts cannot queue faster than they are admitted. With few streams nothing
     caps prefill: few readers wait out the step, and a long prompt among them reaches its
     first token sooner. Until the fit makes both costs positive the cap is half the budget; a
-    runner that reports no step times gets no cap. BENCHMARKS.md measures each knob.
+    runner that reports no step times gets no cap. What each knob does to latency and
+    throughput: docs/benchmarks/serving-latency.md ("Inter-token latency tails", "Stutter under
+    many streams", "Spreading a prompt over the steps", "Prefill first among few streams").
     """
 
     # 0: a prefill chunk is bounded by the budget only.

@@ -64,16 +64,16 @@ class CpuPlatform(Platform):
             self._ops[dtype] = cpu_kernel_ops(dtype)
         return self._ops[dtype]
 
-    # GEMMs reach ~90 % of their 8192-row rate at 128-512 rows here; a wave of 8 prompts of
-    # 128 tokens then gets its first tokens over 2 steps instead of one 1024-token step
-    # (serve c=8, smol bf16: TTFT p50 449 ms vs 723 ms, same throughput; offline 64 x 128:
-    # 532 vs 529 tok/s with 4096; 256 gave TTFT 315 ms but offline -4 %).
+    # A CPU's GEMMs are near their full rate by a few hundred rows, so a larger step gains
+    # little; a wave of 8 prompts of 128 tokens then gets its first tokens over 2 steps instead
+    # of one 1024-token step: a lower TTFT at the same throughput, where 256 would cost offline
+    # throughput (docs/benchmarks/throughput.md, "Fourth run").
     default_max_num_batched_tokens = 512
 
     def default_kv_cache_bytes(self) -> int:
-        """2 GiB (zero-filling more delays the start: ~0.6 s per GiB here), or half the memory
-        available now when that is less (call it after loading the weights, so that they are
-        not counted as available)."""
+        """2 GiB (zero-filling more delays the start; docs/benchmarks/throughput.md, "Third
+        run"), or half the memory available now when that is less (call it after loading the
+        weights, so that they are not counted as available)."""
         free, _ = self.mem_info()
         return min(MAX_DEFAULT_KV_CACHE_BYTES, int(free * DEFAULT_KV_CACHE_FRACTION))
 

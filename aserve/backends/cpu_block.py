@@ -3,7 +3,7 @@
 every op it would call runs aserve's CPU bf16 kernels: the packed GEMMs (the MLP's gate_up
 packed gated), the fused RMSNorm and RoPE, the row-tile attention over the paged cache. Same
 kernels, same order, same tensors: outputs bit-identical to the module-by-module forward,
-without the Python between the ops (~80 us per layer); and a stage's layers as one call.
+without the Python between the ops; and a stage's layers as one call.
 
 `CpuDecoderBlock.of(layer)` reads a pre-norm layer's modules (the form in `backends.ops`) into
 `DecoderLayerWeights` and says whether they qualify (None otherwise: a MoE block, attention
@@ -152,8 +152,8 @@ class CpuDecoderBlock:
 class CpuDecoderStack:
     """Consecutive layers' blocks bound once in C++ (`DecoderStack` in
     `kernels/csrc/decoder_layer.h`): a step runs every layer in one call, without the Python
-    and argument conversion between layers (0.2-0.6 ms a decode step of smol's 30 layers,
-    `benchmarks/studies/decoder_stack.py`).
+    and argument conversion between layers (`benchmarks/studies/decoder_stack.py`;
+    docs/benchmarks/serving-latency.md, "The decoder stack as one call").
     The layers share one KV cache group (one plan a step); each keeps its own weights, cache,
     window, eps, scale and soft-cap."""
 

@@ -28,11 +28,11 @@ Each op has one calling convention whatever implements it:
     random_sampling: "race" | "inverse_cdf"   how the sampler draws a random row's token from
                     its probabilities: the exponential race argmax(p / E), V draws a row (fast
                     elementwise on a GPU), or one uniform a row against a float64 cumsum
-                    (a CPU's exponential_ costs ~15 ns an element: 24 ms for 32 x 49k)
+                    (the CPU's: its exponential_ is slow; docs/benchmarks/sampling.md)
     top_p_candidates: int   0: top_p sorts each row's whole vocabulary; k > 0: it looks
                     among the k best tokens first and sorts only rows whose nucleus is not
-                    within them (a host sync, free on the CPU; a sort there costs ~50 ms for
-                    32 x 49k)
+                    within them (a host sync, free on the CPU, where a sort of the whole
+                    vocabulary is slow)
     pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
                     (None: every linear is F.linear on the loaded weight)

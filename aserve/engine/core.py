@@ -120,11 +120,12 @@ class EngineCore:
         """Run two dummy prompts through the engine before it serves: one of the whole step
         budget, then one of half of it beside the first's decode. A user's first steps then
         pay none of the one-time costs (the first touches of the activation buffers, of the
-        kernels' packed weights and plans: a cold step runs 2-3x a warm one), and the step-cost
-        model starts from steps of two sizes (the first, cold one is left out) instead of
-        guessing (half the budget beside decodes) until the load has shown it two. Whatever
-        the prompts leave (cached blocks, counters, the step log) is cleared; the learnt step
-        costs stay."""
+        kernels' packed weights and plans, which leave a cold step far slower than a warm one;
+        docs/benchmarks/serving-latency.md, "Spreading a prompt over the steps"), and the
+        step-cost model starts from steps of two sizes (the first, cold one is left out)
+        instead of guessing (half the budget beside decodes) until the load has shown it two.
+        Whatever the prompts leave (cached blocks, counters, the step log) is cleared; the
+        learnt step costs stay."""
         n = min(self.max_num_batched_tokens, self.model_info.max_model_len - WARMUP_TOKENS)
         groups, budget = self.kv_cache_groups, self.max_num_batched_tokens
         while n >= args.block_size and (

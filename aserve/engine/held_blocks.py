@@ -1,11 +1,12 @@
 """A KV producer's cap on the blocks it holds for consumers to pull, checked as requests arrive.
 
 A remote decode (`kv_transfer_params.do_remote_decode`) leaves its prompt's blocks held once it
-finishes, until a consumer pulls them or the lease ends (`P2pConnector`: 120 s). Forty such
-requests that nobody pulled held 14 % of a producer's cache; ~280 would have held all of it. So
-the frontend admits one only while the blocks held now (the engine's stats), plus those of the
-remote decodes in flight (held once they finish), plus its own stay within the connector's
-`max_held_blocks`; beyond it the request is refused with 503 + Retry-After.
+finishes, until a consumer pulls them or the lease ends (`P2pConnector`: 120 s). Cheap such
+requests that nobody pulled could hold all of a producer's cache
+(docs/benchmarks/before-after.md, "What the guards answer"). So the frontend admits one only
+while the blocks held now (the engine's stats), plus those of the remote decodes in flight
+(held once they finish), plus its own stay within the connector's `max_held_blocks`; beyond it
+the request is refused with 503 + Retry-After.
 """
 
 from __future__ import annotations

@@ -45,8 +45,8 @@ class LLM:
             model = str(DEMO_MODEL_DIR)
             kwargs.setdefault("served_model_name", DEMO_MODEL_NAME)
         # Offline there is no reader to stutter: no per-step caps on prefill beside decodes, so
-        # that every prompt of a batch starts at once and decodes batch fully (64 x 128 / 128 on
-        # smol: 1.07x the output rate; docs/benchmarks/serving-latency.md, "Offline: the caps off").
+        # that every prompt of a batch starts at once and decodes batch fully (a higher output
+        # rate; docs/benchmarks/serving-latency.md, "Offline: the caps off").
         # vLLM likewise picks other defaults for its LLM class than for its server.
         kwargs.setdefault("max_prefill_step_ratio", 0.0)
         kwargs.setdefault("max_mixed_step_ratio", 0.0)

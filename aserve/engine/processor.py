@@ -114,8 +114,8 @@ class Processor:
 
     def check_text_length(self, text: str) -> None:
         """Refuse, before it is tokenized, a text longer than the context can hold: one token
-        stands for at most `Tokenizer.max_token_chars` characters. (Tokenizing 16 MB took 5 s
-        and 2 GB, only to be refused then.)"""
+        stands for at most `Tokenizer.max_token_chars` characters. (Tokenizing a huge text
+        costs seconds and gigabytes, only to be refused then.)"""
         if len(text) > self.max_prompt_chars:
             raise ValueError(
                 f"prompt is {len(text)} characters long, more than this model's maximum "

@@ -83,8 +83,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`. A long text goes through `encode_batch_fast`, which releases the
-        GIL while it works (`encode` holds it throughout: 2 M characters froze every other
-        thread for 2 s) and skips the offsets nobody reads here: the same ids."""
+        GIL while it works (`encode` holds it throughout, freezing every other thread; see
+        docs/benchmarks/before-after.md, "What the guards answer") and skips the offsets nobody
+        reads here: the same ids."""
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}.")
         if len(text) > GIL_FREE_ENCODE_CHARS:

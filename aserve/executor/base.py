@@ -49,8 +49,8 @@ class Executor:
         Every torch call of this rank goes through the one worker thread: CPU kernels
         parallelise with OpenMP, whose thread pools belong to the thread that starts a parallel
         region, and two such threads (say the engine thread loading the model and the worker
-        thread running it) leave two pools fighting over the cores: small ops then run ~2-5x
-        slower on this project's 2-core machines.
+        thread running it) leave two pools fighting over the cores: small ops then run several
+        times slower (docs/benchmarks/throughput.md, "Async scheduling on and off").
         """
         return self._thread.submit(fn, *args, **kwargs).result()
 

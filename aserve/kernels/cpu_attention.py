@@ -21,8 +21,8 @@ The per-task work (keys transposed into lanes so that each query's scores for 16
 dpbf16 chain, a float32 softmax over each query's own keys into bf16 probabilities, the weighted
 sum of values on pairs of keys, its sums in registers) is the register tiles of
 `csrc/attention_tiles.h`. Threads claim tasks one at a time, costliest first (`plan_tiles`
-orders them). 64 x 192-key decode rows, one smol layer with the cache in DRAM: 0.64 -> 0.46 ms
-(`benchmarks/studies/attention.py`).
+orders them). `benchmarks/studies/attention.py` times it (docs/benchmarks/throughput.md,
+"Seventh and eighth runs").
 Where the kernel does not apply (fp16, no AVX-512, head_dim % 16), `cpu_attention_forward` is
 `store_kv_ref` + `paged_attention_cpu`.
 """
@@ -40,12 +40,10 @@ from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 
 ROW_TILE = 8  # query rows of one request that share a task (and each K/V row read)
 # Where torch's SDPA runs on AMX tiles (oneDNN's GEMMs), a chunk of at least SDPA_MIN_ROWS rows
-# and SDPA_MIN_WORK rows x keys goes to it: there it beats the row tiles from about that size on
-# (2-core Xeon with AMX, one smol layer: 512 rows over 1,536 keys 3.7 vs 9.3 ms, 64 over 1,024
-# 0.54 vs 0.87, 32 over 2,048 0.79 vs 0.93; but 32 over 512 0.26 vs 0.23 and 64 over 128 0.14 vs
-# 0.10). Without AMX the row-tile kernel is the faster one at every size, so it takes every
-# chunk (AVX-512-BF16 EPYC: 2,048 fresh rows 22 vs 48 ms; 2,048 rows over 8,192 keys 219 vs
-# 381 ms). docs/benchmarks/serving-latency.md, "Long-context prefill" and "On a Xeon with AMX".
+# and SDPA_MIN_WORK rows x keys goes to it: there it beats the row tiles from about that size on,
+# and the row tiles win below it. Without AMX the row-tile kernel is the faster one at every
+# size, so it takes every chunk. docs/benchmarks/serving-latency.md, "Long-context prefill" and
+# "On a Xeon with AMX".
 SDPA_MIN_ROWS = 32
 SDPA_MIN_WORK = 32 * 1024
 SDPA_FOR_LONG_CHUNKS = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())

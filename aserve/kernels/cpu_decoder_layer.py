@@ -1,8 +1,8 @@
 """A pre-norm decoder layer (attention, then a gated-SiLU MLP: the Llama family's) in ONE C++
 call on the CPU bf16 path (`csrc/decoder_layer.h`): the kernels the layer's modules would call
 one by one from Python, called in the same order on the same tensors, so the result is
-bit-identical and only the glue between them goes (about 80 us per layer: module calls, splits,
-views, argument checks; ~2.5 ms per step of smol's 30 layers).
+bit-identical and only the glue between them goes (module calls, splits, views, argument
+checks; docs/benchmarks/throughput.md, "the decoder layer as one C++ call").
 
     decoder_layer(hidden, residual, positions, weights, plan, sizes, eps, scale, soft_cap)
 

@@ -5,7 +5,7 @@ helpers they share; `sinks.h`, the attention sinks' argument; `activation.h`, th
 activations of `elementwise.h` and `gemm.h`; `paged_decode.h`, `attention_tiles.h`,
 `attention_rows.h`, `elementwise.h`, `gemm.h`, `decoder_layer.h`, `moe.h`) and ONE translation
 unit, `cpu_kernels.cpp`, that includes them and binds the functions Python calls: a single
-build parses torch's headers once (~28 s here instead of ~75 s for three). `load()` compiles
+build parses torch's headers once, not once per translation unit. `load()` compiles
 it on first use (then loads the cached build) with `-march=native`, keyed by the sources, this
 CPU's instruction-set flags, torch's version and the compiler flags; without a C++ compiler or
 ninja, `load()` is None (one warning) and every caller keeps its torch path.

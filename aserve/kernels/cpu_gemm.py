@@ -8,10 +8,11 @@ The weight [N, K] is repacked into panels of 48 output features, k-pairs interle
 and an 8-row x 48-column micro-kernel walks K two at a time (`csrc/gemm.h` describes it, and the
 gated packing of an MLP's [gate; up] whose epilogue applies silu(gate) * up).
 
-Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) against oneDNN's prepacked bf16
-linear (`benchmarks/studies/gemm.py`): 1.1x at 64 rows, 1.3-1.6x at 1-16 rows, where a decode
-step streams every weight from memory (29 GB/s vs oneDNN's 18). Sums run in another order than
-oneDNN's, so results differ from `F.linear` in the last bf16 bit of some outputs.
+Without AMX it is at least as fast as oneDNN's prepacked bf16 linear, and faster at decode
+batch sizes, where a step streams every weight from memory and its plain panel walk keeps the
+memory busier (`benchmarks/studies/gemm.py`; docs/benchmarks/throughput.md, "aserve's CPU GEMM
+beside oneDNN"). Sums run in another order than oneDNN's, so results differ from `F.linear` in
+the last bf16 bit of some outputs.
 
 On CPUs with AMX (Intel Sapphire Rapids and later) the same panels go to the tile unit instead
 (`amx()`): 16 rows x 48 columns per tile product, at every row count, since it wins even at
@@ -128,11 +129,10 @@ def empty_in_huge_pages(nbytes: list[int]) -> tuple[torch.Tensor, list[torch.Ten
 
 def gather_in_huge_pages(weights: list[PackedWeight]) -> torch.Tensor | None:
     """Move packed weights, in order, into one buffer of transparent huge pages: a decode step
-    streams every weight from memory, and with 4 KB pages it misses the TLB once per page (51 k
-    pages for smol's layers). smol's 64-row decode step GEMMs, LM head included: 43.4-43.9 ->
-    42.0-42.8 ms. Each weight's `data` becomes a view of the buffer, values unchanged; returns
-    the buffer, or None (weights left where they are) if there is less than a huge page or
-    Linux grants none."""
+    streams every weight from memory, and with 4 KB pages it misses the TLB once per page
+    (docs/benchmarks/throughput.md, "Tenth and eleventh runs"). Each weight's `data` becomes a
+    view of the buffer, values unchanged; returns the buffer, or None (weights left where they
+    are) if there is less than a huge page or Linux grants none."""
     got = empty_in_huge_pages([w.data.numel() * w.data.element_size() for w in weights])
     if got is None:
         return None

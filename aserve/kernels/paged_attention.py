@@ -116,9 +116,9 @@ def _attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     """One query row per request: q [B, Hq, 1, D], k/v [B, Hkv, Lk, D], mask [B, 1, 1, Lk].
 
     Query heads are grouped onto their kv head ([B, Hkv, G, D]) so GQA needs no copies; the math
-    runs in float32. On CPU this is ~2.5x faster than SDPA for one query row in bfloat16 and at
-    least as accurate; float32 inputs without a cap or sinks keep SDPA, so that they stay
-    bit-equal to transformers.
+    runs in float32. On CPU this is faster than SDPA for one query row in bfloat16 and at least
+    as accurate (docs/benchmarks/throughput.md, "Offline throughput — engine core"); float32
+    inputs without a cap or sinks keep SDPA, so that they stay bit-equal to transformers.
     """
     if q.dtype == torch.float32 and soft_cap is None and sinks is None:
         return _attend(q, k, v, mask, scale, soft_cap)

@@ -65,8 +65,9 @@ TIMEOUTS = {"lease_timeout_s": 120.0, "connect_timeout_s": 5.0, "transfer_timeou
             "pull_timeout_s": 30.0}
 EXTRA_KEYS = (*TIMEOUTS, "secret", "producers", "max_held_share")
 # A producer holds at most this share of its KV cache for consumers to pull (finished prefills
-# waiting up to lease_timeout_s); a remote decode beyond it is a 503. Without a cap, requests
-# that nobody pulls (~280 cheap ones on the demo model) held the whole cache for the lease.
+# waiting up to lease_timeout_s); a remote decode beyond it is a 503. Without a cap, cheap
+# requests that nobody pulls held the whole cache for the lease
+# (docs/benchmarks/before-after.md, "What the guards answer").
 MAX_HELD_SHARE = 0.5
 
 

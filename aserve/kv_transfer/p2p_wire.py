@@ -28,8 +28,9 @@ MAX_LINE_BYTES = 1 << 20
 
 def write_line(stream, message: dict) -> None:
     """One JSON line. Both ends' sockets have Nagle's algorithm off (TCP_NODELAY): a consumer
-    writes its ack and then its next pull back to back, and with Nagle on the pull would wait
-    for the producer's delayed ACK of the ack (40 ms a pull)."""
+    writes its ack and then its next pull back to back, and with Nagle on every pull would
+    wait for the producer's delayed ACK of the ack (docs/benchmarks/serving-latency.md, "Nagle
+    on the server's sockets")."""
     stream.write(json.dumps(message).encode() + b"\n")
     stream.flush()
 

@@ -18,10 +18,11 @@ A step without a constrained row gets `NO_MASKS`: no bitmask, no thread, nothing
 Why some rows are checked rather than masked: vLLM fills every constrained row's mask while the
 forward runs and masks before sampling; so does aserve on an accelerator, and on the CPU for
 every row but plain greedy ones. On the CPU the fill competes with the forward for the same
-cores (llguidance takes 10-500 µs a row for a mask, ~2 µs to check one token), and a greedy
-row's token is the largest logit whether masked or not, when the grammar allows it: such a row
-is sampled unmasked and its token checked, and only a refused one gets a mask and the argmax of
-its allowed tokens. A model that follows its format is refused rarely.
+cores (a mask costs llguidance far more a row than checking one token does;
+docs/benchmarks/structured-outputs.md), and a greedy row's token is the largest logit whether
+masked or not, when the grammar allows it: such a row is sampled unmasked and its token
+checked, and only a refused one gets a mask and the argmax of its allowed tokens. A model that
+follows its format is refused rarely.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@
 The draw is the platform's (`KernelOps.random_sampling`): the exponential race (argmax of
 probs / Exponential(1) noise, Gumbel-max sampling; V draws a row, elementwise, as vLLM does on
 GPUs) or the inverse CDF (one uniform a row, the first token whose float64 cumulative
-probability passes it; a CPU draws exponentials at ~15 ns each). Either way a seeded row draws
-from its own generator, seeded by (seed, output position) only, so its tokens never depend on
-the batch around it. Nothing here syncs with the host; only seeded rows and sparse per-row data
-loop in Python. This module does not decide which rows sample (the runner does).
+probability passes it: the CPU's, where V exponentials a row are slow to draw;
+docs/benchmarks/sampling.md). Either way a seeded row draws from its own generator, seeded by
+(seed, output position) only, so its tokens never depend on the batch around it. Nothing
+here syncs with the host; only seeded rows and sparse per-row data loop in Python. This module
+does not decide which rows sample (the runner does).
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor,
                 max_top_k: int | None = None) -> torch.Tensor:
     """Keep tokens whose logit is >= the k-th largest (ties at the k-th are kept, as in HF).
     The k-th comes from a top-`max_top_k` selection (all rows' largest k, known on the host),
-    not a sort of the whole vocabulary: 1-2 ms instead of ~50 for 32 x 49k on a CPU."""
+    not a sort of the whole vocabulary, which costs a CPU many times more
+    (docs/benchmarks/sampling.md)."""
     vocab = logits.shape[-1]
     if max_top_k is None or 4 * max_top_k > vocab:
         best = logits.sort(dim=-1, descending=True).values  # [N, V]

@@ -55,8 +55,8 @@ def bind(host: str, port: int) -> socket.socket:
     The socket is made with proto IPPROTO_TCP, not 0: asyncio turns Nagle's algorithm off
     (TCP_NODELAY) only on accepted sockets whose proto says TCP, and the accepted ones take the
     listener's. With Nagle on, a response's second write (its body, after its headers) waited
-    for the client's delayed ACK: every reply with a body on a kept-alive connection came 40 ms
-    late (measured: `/v1/models` 44 ms on the second request, 1 ms on the first).
+    for the client's delayed ACK, so every reply with a body on a kept-alive connection came
+    late by that timer (docs/benchmarks/serving-latency.md, "Nagle on the server's sockets").
     TCP_NODELAY is also set on the listener, which Linux passes on to accepted sockets."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

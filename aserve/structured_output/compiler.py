@@ -6,14 +6,15 @@ compiled in worker processes (`CompilePool`) and kept in a `GrammarCache`.
         caps (`constraint_job`) ─► cache hit? ─► pool: smallest job first, one slot kept
         for small ones ─► the worker's grammar, or its 400 ─► cache (LRU, bounded in bytes)
 
-Why processes and not threads (llguidance 1.9.1, measured on a 32k-token vocabulary): a compile
-cannot be stopped once it starts (no deadline; its limits bound a grammar's size, not its time:
-a 100,000-entry choice takes 6.5 s, 0.7 s to be refused past `MAX_GRAMMAR_SYMBOLS`), and a deep
-enough grammar overflows the stack of the thread compiling it, a SIGSEGV that would take the
-server down (a 70 kB Lark chain of optional rules, an 80 kB JSON schema of 1,000 chained
+Why processes and not threads (llguidance 1.9.1): a compile cannot be stopped once it starts
+(no deadline; its limits bound a grammar's size, not its time: a large `choice` within them
+compiles for seconds, and even one past `MAX_GRAMMAR_SYMBOLS` takes a while to be refused), and
+a deep enough grammar overflows the stack of the thread compiling it, a SIGSEGV that would take
+the server down (a 70 kB Lark chain of optional rules, an 80 kB JSON schema of 1,000 chained
 $refs). A worker is killed when its request stops waiting (timeout, disconnect), and a crash
-fails one request. The cost: a worker's start, 0.4 s (imports, its own tokenizer), once; 64 MB
-each; ~3 ms a compile in pipes and JSON (a 60-property schema: 16 ms against 13 in-process).
+fails one request. The cost: a worker's start (imports, its own tokenizer), once; its memory;
+and the pipes and JSON around each compile (docs/benchmarks/structured-outputs.md, "Figures
+behind code comments").
 """
 
 from __future__ import annotations

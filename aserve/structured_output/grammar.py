@@ -6,12 +6,12 @@ The token bitmask is int32 [rows, ceil(vocab / 32)], bit j of word w set where t
 is allowed (llguidance's and xgrammar's layout). Tokens past the tokenizer's vocabulary (a
 model's padded rows) are never allowed.
 
-Why llguidance rather than xgrammar (vLLM's default), measured on smol's 49 k-token vocabulary
-with a 61-property schema: tokenizer setup 0.16 s vs 0.08 s, compile 2 ms vs 40 ms, mask 15 vs
-3 µs per token — both far below a decode step — but xgrammar 0.2.9 lets a length-bounded JSON
-string (`maxLength`) hold raw control characters, which is not JSON (`json.loads` refuses it),
-and needs a private call to read a `tokenizers` vocabulary; llguidance's strings are JSON's, it
-takes the tokenizer's JSON as it is, and it checks a grammar against the tokenizer before use.
+Why llguidance rather than xgrammar (vLLM's default): both compile and mask far within
+a decode step (docs/benchmarks/structured-outputs.md), but xgrammar 0.2.9 lets a length-bounded
+JSON string (`maxLength`) hold raw control characters, which is not JSON (`json.loads` refuses
+it), and needs a private call to read a `tokenizers` vocabulary; llguidance's strings are
+JSON's, it takes the tokenizer's JSON as it is, and it checks a grammar against the tokenizer
+before use.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ class GrammarMatcher:
     `accept_token` after. Rebuilt (and replayed) when a preempted request resumes.
 
     llguidance's matcher is built on first use, not here: the runner creates request states in
-    its step, and building a large schema's matcher takes milliseconds (8.8 ms for 120
-    properties), which the first mask fill, run beside the forward, absorbs instead."""
+    its step, and building a large schema's matcher takes milliseconds, which the first mask
+    fill, run beside the forward, absorbs instead."""
 
     def __init__(self, compiled: CompiledGrammar, token_ids: list[int] = ()) -> None:
         self._compiled = compiled
@@ -75,7 +75,7 @@ class GrammarMatcher:
                 bitmask[row, token_id // 32] |= _bit(token_id % 32)
             return
         # llguidance writes the row through a raw pointer (llguidance.torch's wrapper of this
-        # call would import torch._dynamo, ~1.5 s on the first constrained step)
+        # call would import torch._dynamo, a stall at the first constrained step)
         if not (bitmask.dtype == torch.int32 and bitmask.device.type == "cpu"
                 and bitmask.dim() == 2 and bitmask.is_contiguous()):
             raise ValueError("a token bitmask is a contiguous int32 [rows, words] CPU tensor")
@@ -103,8 +103,8 @@ def fill_token_bitmask(matchers: list[GrammarMatcher], vocab_size: int,
     are all its grammar allows: a grammar that has ended ends the request.
 
     Row by row in the calling thread: llguidance's batch executor (one call for all rows, on a
-    thread pool) measured slower on 2 cores, in the server and offline, its pool's threads
-    competing with the forward's."""
+    thread pool) is slower on 2 cores, in the server and offline, its pool's threads competing
+    with the forward's (docs/benchmarks/structured-outputs.md)."""
     bitmask = allocate_token_bitmask(len(matchers), vocab_size)  # [R, ceil(V / 32)]
     for row, matcher in enumerate(matchers):
         matcher.fill_bitmask(bitmask, row)
@@ -136,9 +136,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                         rows: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] with disallowed tokens at -inf (a new tensor): bitmask [len(rows), W] for
     the rows `rows` (all rows when None). Plain torch ops. On the CPU and CUDA it works on the
-    logits' bits with integer ops (a CPU runs a float masked_fill ~6x slower), so every value,
-    NaN and -0.0 included, comes out as `apply_token_bitmask_ref` gives it; other devices (whose
-    dtype views are not known here to work) run the reference."""
+    logits' bits with integer ops (a CPU runs a float masked_fill several times slower), so
+    every value, NaN and -0.0 included, comes out as `apply_token_bitmask_ref` gives it; other
+    devices (whose dtype views are not known here to work) run the reference."""
     if logits.device.type not in ("cpu", "cuda"):
         return apply_token_bitmask_ref(logits, bitmask, rows)
     if rows is None:
