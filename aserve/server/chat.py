@@ -49,7 +49,8 @@ from aserve.server.serving import (
     server_state,
     start_generations,
 )
-from aserve.server.tool_parsers import ReplyTools, ToolParser, get_tool_parser
+from aserve.server.tool_parsers import ToolParser, get_tool_parser
+from aserve.server.tool_replies import ReplyTools
 
 
 async def render_chat(request: Request, engine, body: ChatCompletionRequest | object) -> str:

@@ -6,7 +6,7 @@ the model generate, and how its text becomes `tool_calls`.
     required        constrained: a JSON array of {name, parameters}  the calls
     {function}      constrained: the named function's arguments  that call's arguments
     auto            free, in the model's own format              parsed by --tool-call-parser
-                    (`tool_parsers.py`; needs --enable-auto-tool-choice)
+                    (`tool_parsers/`; needs --enable-auto-tool-choice)
 
 `required` and named choices are enforced by a grammar, so their arguments are valid JSON of the
 function's schema even from a weak model.

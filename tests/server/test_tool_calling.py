@@ -20,13 +20,8 @@ from helpers.server import assert_error, serving, tiny_app
 
 from aserve.server import ServerConfig
 from aserve.server.protocol import ChatCompletionRequest
-from aserve.server.tool_parsers import (
-    ChoiceToolStream,
-    ReplyTools,
-    StreamingToolParser,
-    get_tool_parser,
-    tool_calls_of,
-)
+from aserve.server.tool_parsers import StreamingToolParser, get_tool_parser, tool_calls_of
+from aserve.server.tool_replies import ChoiceToolStream, ReplyTools
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1,
