@@ -53,8 +53,9 @@ class ServerConfig:
     # come back) and its connection closed; None or 0: never (`serving.EventStream`)
     stream_stall_timeout: float | None = 30.0
     liveness_timeout: float = 30.0  # `/health?generate=1`: seconds to produce one token
-    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls parsed from the text
-    tool_call_parser: str | None = None  # the model's tool-call format (`tool_parsers/`)
+    enable_auto_tool_choice: bool = False  # vLLM's flag, accepted: auto tool choice is always on
+    # the model's tool-call format (`tool_parsers/`); None: the one its chat template renders
+    tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # <think> -> reasoning_content (`reasoning_parsers.py`)
     disable_frontend: bool = False  # no playground, dashboard or their files (`frontend.py`)
 

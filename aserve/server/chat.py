@@ -49,7 +49,7 @@ from aserve.server.serving import (
     server_state,
     start_generations,
 )
-from aserve.server.tool_parsers import ToolParser, get_tool_parser
+from aserve.server.tool_parsers import ToolParser, get_tool_parser, parser_for_template
 from aserve.server.tool_replies import ReplyTools
 
 
@@ -100,34 +100,66 @@ def _check_request_template(source: object, config, tokenizer) -> None:
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(request, body.model)
-    config = server_state(request).config
-    parser = (get_tool_parser(config.tool_call_parser)
-              if config.enable_auto_tool_choice and config.tool_call_parser else None)
-    try:
-        body.check_tools(auto_tool_choice=parser is not None)
-    except ValueError as e:
-        raise ServerError.from_value_error(e) from e
-    reasoning = (get_reasoning_parser(config.reasoning_parser) if config.reasoning_parser
-                 else None)
+    state = server_state(request)
+    reasoning = (get_reasoning_parser(state.config.reasoning_parser)
+                 if state.config.reasoning_parser else None)
     engine = running_engine(request)
     text = await render_chat(request, engine, body)
     prompt = await process_prompt(engine, text, body.add_special_tokens, body.cache_salt,
                                   "messages")
     params = sampling_params_of(body)
+    parser = tool_parser_for(request, engine, body)
+    if parser is not None:
+        params.structured_outputs = params.structured_outputs or body.tool_constraint(
+            parser.call_patterns(body.template_tools()),
+            state.engine_args.structured_outputs_any_whitespace)
+        if not parser.skip_special_tokens:
+            params.skip_special_tokens = False  # its markers are special tokens
     if reasoning is not None and params.structured_outputs is not None and not thinking_ended(
             text):  # the constraint applies to the answer, after the reasoning
         params.structured_outputs = replace(params.structured_outputs, start_after=END)
-    if body.tool_mode == "auto" and not parser.skip_special_tokens:
-        params.skip_special_tokens = False  # its markers are special tokens
-    prepared = await prepare(engine, prompt, params, body.priority, "messages")
+    prepared = await prepare_tools(engine, prompt, params, body)
     request_id = make_id("chatcmpl")
     generations = start_generations(request, engine, request_id, [prepared])
-    view = ChatView(body, server_state(request).model_name, request_id, engine.tokenizer,
-                    parser if body.tool_mode == "auto" else None, reasoning)
+    view = ChatView(body, state.model_name, request_id, engine.tokenizer, parser, reasoning)
     if body.stream:
         return event_stream(request, view.stream(generations), generations)
     results = await collect_or_abort(request, generations)
     return JSONResponse(view.response(generations[0], results[0]).model_dump())
+
+
+def tool_parser_for(request: Request, engine, body: ChatCompletionRequest
+                    ) -> ToolParser | None:
+    """The parser of an auto reply's calls (None for other tool modes): `--tool-call-parser`,
+    else the format the chat template in use renders tools with (`parser_for_template`)."""
+    if body.tool_mode != "auto":
+        return None
+    name = server_state(request).config.tool_call_parser
+    if name is None:
+        own = body.chat_template or (body.chat_template_kwargs or {}).get("chat_template")
+        try:
+            source = engine.tokenizer.get_chat_template(
+                own or server_state(request).chat_template, body.template_tools())
+        except ValueError:  # (no template: rendering failed already)
+            source = None
+        name = parser_for_template(source, engine.tokenizer)
+    parser = get_tool_parser(name)
+    parser.tools = body.template_tools()  # (qwen3_coder types its values by their schemas)
+    return parser
+
+
+async def prepare_tools(engine, prompt, params, body: ChatCompletionRequest):
+    """`prepare`, a tool constraint that cannot be compiled (a tool's schema) blamed on
+    `tools`, the field the client wrote it in."""
+    try:
+        return await prepare(engine, prompt, params, body, "messages")
+    except ServerError as e:
+        from_tools = body.tools and body.structured_outputs_params() is None
+        if from_tools and (e.param or "").startswith("structured_outputs"):
+            e.message = "tools" + e.message[len(e.param):] if e.message.startswith(
+                e.param) else e.message
+            e.param = "tools"
+        raise
 
 
 class ChatView:
@@ -214,11 +246,14 @@ class ChatView:
                 finish = delta.finish_reason
                 if finish == "stop" and streams[delta.index].has_calls:
                     finish = "tool_calls"
+                logprobs = self.logprobs_of(delta.token_ids, delta.logprobs)
+                if not (content or calls or thought or finish or logprobs):
+                    continue  # nothing to say yet (a call or a marker still being written)
                 choice = ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=content, tool_calls=calls,
+                    index=delta.index, delta=DeltaMessage(content=content or None,
+                                                          tool_calls=calls,
                                                           reasoning_content=thought or None),
-                    logprobs=self.logprobs_of(delta.token_ids, delta.logprobs),
-                    finish_reason=finish, stop_reason=delta.stop_reason)
+                    logprobs=logprobs, finish_reason=finish, stop_reason=delta.stop_reason)
                 yield ChatCompletionStreamResponse(
                     id=self.request_id, created=created, model=self.model,
                     choices=[choice], usage=usage)

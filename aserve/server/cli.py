@@ -207,11 +207,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM/SIGINT, time in-flight requests get to finish before "
                             "they are aborted (finish_reason \"abort\") (default: 10)")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model call tools on its own (tool_choice "auto"), read '
-                            "from its text by --tool-call-parser")
+                       help='accepted for vLLM compatibility: tool_choice "auto" (the default '
+                            "with tools) is always on")
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the model's tool-call format: hermes (Qwen2.5/3, Hermes), "
-                            "llama3_json (Llama 3.x), mistral")
+                       help="the model's tool-call format (default: the one its chat template "
+                            "renders tools with; hermes when it shows none): "
+                            + ", ".join(sorted(TOOL_PARSERS)))
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split a reasoning model's <think>...</think> into "
                             "message.reasoning_content: deepseek_r1, qwen3")
@@ -258,8 +259,6 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
         raise UsageError("--request-timeout must be > 0")
     if ns.stream_stall_timeout < 0:
         raise UsageError("--stream-stall-timeout must be >= 0")
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise UsageError("--enable-auto-tool-choice needs --tool-call-parser")
     return ServerConfig(served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=ns.chat_template,

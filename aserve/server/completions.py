@@ -55,7 +55,7 @@ async def create_completion(request: Request) -> Response:
     prompts = [await process_prompt(engine, p, body.add_special_tokens, body.cache_salt)
                for p in body.prompts()]
     params = sampling_params_of(body)
-    prepared = [await prepare(engine, p, params, body.priority) for p in prompts]
+    prepared = [await prepare(engine, p, params, body) for p in prompts]
     request_id = make_id("cmpl")
     generations = start_generations(request, engine, request_id, prepared)
     view = CompletionView(body, server_state(request).model_name, request_id, engine.tokenizer)

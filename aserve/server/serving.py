@@ -85,16 +85,19 @@ def sampling_params_of(body) -> SamplingParams:
 
 
 async def prepare(engine: AsyncEngine, prompt: ProcessedPrompt, params: SamplingParams,
-                  priority: int, param: str = "prompt") -> PreparedRequest:
+                  body, param: str = "prompt") -> PreparedRequest:
     """Checked against the model and its context, the constraint compiled (the engine's
     processor), before the engine sees anything: a 400 naming the field (a prompt that does
-    not fit its context: `param`, the request's field holding it)."""
+    not fit its context: `param`, the request's field holding it; a constraint: the field of
+    `body` that carried it, `StructuredOutputFields.naming_the_field`)."""
     try:
-        return await engine.prepare(prompt, params, priority)
+        return await engine.prepare(prompt, params, body.priority)
     except ContextLengthError as e:
         raise ServerError(str(e), 400, e.param or param) from e
     except ValueError as e:
-        raise ServerError.from_value_error(e) from e
+        error = ServerError.from_value_error(e)
+        error.message, error.param = body.naming_the_field(error.message, error.param)
+        raise error from e
     except EngineDeadError as e:
         raise ServerError(str(e), 503) from e
 

@@ -9,7 +9,8 @@
 
 At most one constraint per request (two are a 400 naming both). The constraint itself (a schema,
 a regex, a grammar) is compiled, and refused if bad, too large or too slow to compile, by the
-engine's processor (a 400 naming `structured_outputs.<kind>`, whichever field carried it).
+engine's processor: a 400 that names `structured_outputs.<kind>`, whichever field carried it,
+until `naming_the_field` names the field the request used (`response_format`, `guided_json`).
 """
 
 from __future__ import annotations
@@ -103,3 +104,23 @@ class StructuredOutputFields(StrictModel):
             raise ValueError(f"structured_outputs takes one constraint per request, got "
                              f"{', '.join(found)}.")
         return StructuredOutputsParams(**found.popitem()[1]) if found else None
+
+    def naming_the_field(self, message: str, param: str | None) -> tuple[str, str | None]:
+        """(message, param) of an error about the request's constraint, naming the field the
+        request used: the processor says `structured_outputs.<kind>` whichever field carried
+        it. `response_format` (its schema: `response_format.json_schema.schema` in the
+        message) or `guided_<kind>`; an error about `structured_outputs` itself, or about
+        anything else, is left as it is."""
+        if not param or not param.startswith("structured_outputs."):
+            return message, param
+        fmt, kind = self.response_format, param.split(".")[1]
+        if fmt is not None and fmt.type != "text":
+            field = "response_format"
+            shown = f"{field}.json_schema.schema" if fmt.type == "json_schema" else field
+        elif getattr(self, f"guided_{kind}", None) is not None:
+            field = shown = f"guided_{kind}"
+        else:
+            return message, param
+        if message.startswith(param):
+            message = shown + message[len(param):]
+        return message, field

@@ -1,7 +1,12 @@
 """How one chat request's replies become content and tool calls, for its tool mode
 (`ToolFields.tool_mode`): `ReplyTools` (a whole reply: `split`) and `ChoiceToolStream` (one
 streamed choice), and `RequiredCallsScanner`, which reads a `required` reply's JSON array of
-calls a character at a time."""
+calls a character at a time.
+
+One rule for calls, streamed or not, in every mode: a call is sent once it is complete, whole
+(its id, name and arguments in one delta); a reply cut off inside a call (`max_tokens`) gives
+that call's text back as content, with finish_reason "length" — never a call with cut-off
+arguments, which clients would take for a real one."""
 
 from __future__ import annotations
 
@@ -9,14 +14,16 @@ import json
 from dataclasses import dataclass
 
 from aserve.server.tool_parsers import StreamingToolParser, ToolParser, tool_calls_of
-from aserve.server.tools import FunctionCall, ToolCall, make_tool_call_id
+from aserve.server.tools import FunctionCall, ToolCall
 
 
 @dataclass
 class _ArrayCall:
+    start: int  # where its object starts in the reply
     name: str | None = None
     arguments: str = ""  # raw text of "parameters" so far
     arguments_done: bool = False
+    done: bool = False  # its object has closed
 
 
 class RequiredCallsScanner:
@@ -35,6 +42,10 @@ class RequiredCallsScanner:
         self._key: str | None = None  # the call object's key whose value is being read
         self._reading_key = False  # next string at depth 2 is a key
         self._value_start: int | None = None  # of the current depth-2 value
+
+    @property
+    def text(self) -> str:
+        return self._text
 
     def feed(self, text: str) -> None:
         start = len(self._text)
@@ -62,7 +73,7 @@ class RequiredCallsScanner:
                 self._value_start = i
         elif c in "{[":
             if self._depth == 1 and c == "{":
-                self.calls.append(_ArrayCall())
+                self.calls.append(_ArrayCall(i))
                 self._reading_key, self._key = True, None
             elif self._depth == 2 and self._value_start is None:
                 self._value_start = i
@@ -71,6 +82,7 @@ class RequiredCallsScanner:
             self._depth -= 1
             if self._depth == 1:
                 self._value_done(i)
+                self.calls[-1].done = True
         elif self._depth == 2 and c == ",":
             self._value_done(i)
             self._reading_key = True
@@ -103,18 +115,20 @@ class ReplyTools:
         self.mode = getattr(body, "tool_mode", "none")
 
     def split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole reply. A constrained reply cut short (length) is left
-        as content: its JSON is incomplete."""
-        if self.mode in ("required", "named"):
+        """(content, calls) of a whole reply; a call cut off stays content (module rule)."""
+        if self.mode == "named":
             if finish_reason != "stop":
                 return text, []
-            if self.mode == "named":
-                name = self.body.tool_choice.function.name
-                return None, [ToolCall(function=FunctionCall(name=name, arguments=text))]
+            name = self.body.tool_choice.function.name
+            return None, [ToolCall(function=FunctionCall(name=name, arguments=text))]
+        if self.mode == "required":
             scanner = RequiredCallsScanner()
             scanner.feed(text)
-            return None, [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
-                          for c in scanner.calls]
+            calls = [c for c in scanner.calls if c.done]
+            cut = next((c for c in scanner.calls if not c.done), None)
+            return (text[cut.start:] if cut is not None else None), [
+                ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in calls]
         if self.mode == "auto" and self.parser is not None:
             parsed = self.parser.parse(text, final=True)
             calls = tool_calls_of(parsed)
@@ -127,16 +141,16 @@ class ReplyTools:
 
 class ChoiceToolStream:
     """One streamed choice: `feed(text delta, finish_reason)` -> (content delta or None,
-    tool-call deltas or None). Named and `required` calls stream their arguments as they come
-    (a `required` call's name first, once complete); auto calls come whole as each completes
-    in the text."""
+    tool-call deltas or None). Each call goes out whole once complete (module rule): a named
+    call when the reply ends, a `required` call when its object closes, an auto call when the
+    parser reads it complete in the text."""
 
     def __init__(self, tools: ReplyTools) -> None:
         self.tools, self.num_calls = tools, 0
         self.parsing = (StreamingToolParser(tools.parser)
                         if tools.mode == "auto" and tools.parser is not None else None)
         self.scanner = RequiredCallsScanner() if tools.mode == "required" else None
-        self.arguments_sent: list[int] = []  # per `required` call
+        self.text = ""  # a named reply so far
 
     @property
     def has_calls(self) -> bool:
@@ -144,39 +158,26 @@ class ChoiceToolStream:
 
     def feed(self, text: str, finish_reason: str | None
              ) -> tuple[str | None, list[dict] | None]:
-        mode = self.tools.mode
-        if mode == "named":
-            if self.num_calls == 0:
-                self.num_calls = 1
-                name = self.tools.body.tool_choice.function.name
-                return None, [{"index": 0, "id": make_tool_call_id(), "type": "function",
-                               "function": {"name": name, "arguments": text}}]
-            return None, ([{"index": 0, "function": {"arguments": text}}] if text else None)
+        if self.tools.mode == "named":
+            self.text += text
+            if finish_reason is None:
+                return None, None
+            content, calls = self.tools.split(self.text, finish_reason)
+            return content, self._deltas(calls) or None
         if self.scanner is not None:
             self.scanner.feed(text)
-            return None, self._required_deltas() or None
+            done = [c for c in self.scanner.calls if c.done][self.num_calls:]
+            deltas = self._deltas([ToolCall(function=FunctionCall(
+                name=c.name, arguments=c.arguments)) for c in done])
+            content = None
+            if finish_reason is not None and finish_reason != "stop":
+                cut = next((c for c in self.scanner.calls if not c.done), None)
+                content = self.scanner.text[cut.start:] if cut is not None else None
+            return content, deltas or None
         if self.parsing is not None:
             content, calls = self.parsing.feed(text, final=finish_reason is not None)
             return content, self._deltas(calls) or None
         return text, None
-
-    def _required_deltas(self) -> list[dict]:
-        """A call's first delta once its name is complete (id, name, the arguments so far),
-        then each new stretch of its arguments."""
-        deltas = []
-        for index, call in enumerate(self.scanner.calls):
-            if call.name is None:
-                break
-            if index == self.num_calls:
-                self.num_calls += 1
-                self.arguments_sent.append(len(call.arguments))
-                deltas.append({"index": index, "id": make_tool_call_id(), "type": "function",
-                               "function": {"name": call.name, "arguments": call.arguments}})
-            elif len(call.arguments) > self.arguments_sent[index]:
-                fragment = call.arguments[self.arguments_sent[index]:]
-                self.arguments_sent[index] = len(call.arguments)
-                deltas.append({"index": index, "function": {"arguments": fragment}})
-        return deltas
 
     def _deltas(self, calls: list[ToolCall]) -> list[dict]:
         deltas = [{"index": self.num_calls + i, "id": c.id, "type": "function",

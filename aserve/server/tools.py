@@ -1,15 +1,18 @@
 """Tool calling: the request's `tools` / `tool_choice` / `parallel_tool_calls`, what they make
 the model generate, and how its text becomes `tool_calls`.
 
-    tool_choice     generation                                   the text is
+    tool_choice     generation                                    the text is
     none            free (tools still shown to the chat template) content
-    required        constrained: a JSON array of {name, parameters}  the calls
-    {function}      constrained: the named function's arguments  that call's arguments
-    auto            free, in the model's own format              parsed by --tool-call-parser
-                    (`tool_parsers/`; needs --enable-auto-tool-choice)
+    required        constrained: a JSON array of {name, parameters}   the calls
+    {function}      constrained: the named function's arguments   that call's arguments
+    auto (default   free text; from the format's trigger on, each    content and calls, read by
+    with tools)     call constrained to its tool's schema            the model's format's parser
+                                                                  (`tool_parsers/`)
 
-`required` and named choices are enforced by a grammar, so their arguments are valid JSON of the
-function's schema even from a weak model.
+Every call is enforced by a grammar (auto: where the format has `call_patterns`), so its
+arguments are valid JSON of the function's schema even from a weak model. One truncation rule,
+streamed or not: a call cut off by `max_tokens` is never reported as a call; its text is
+content and `finish_reason` is "length" (`tool_replies.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from aserve.sampling_params import StructuredOutputsParams
 from aserve.server.structured import StrictModel
@@ -48,6 +51,13 @@ class NamedToolChoice(StrictModel):
 class FunctionCall(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _object_as_json(cls, value: Any) -> Any:
+        """History from clients that send the arguments as an object (not OpenAI's string):
+        taken as its JSON text."""
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
 
 
 class ToolCall(StrictModel):
@@ -90,15 +100,19 @@ class ToolFields(StrictModel):
         choice = self.tool_choice or "auto"
         return "named" if isinstance(choice, NamedToolChoice) else choice
 
-    def check_tools(self, auto_tool_choice: bool) -> None:
-        """ValueError naming the field where the server cannot take the tool choice."""
-        if self.tool_mode == "auto" and not auto_tool_choice:
-            raise ValueError('tool_choice "auto" needs the server started with '
-                             "--enable-auto-tool-choice and --tool-call-parser.")
-
-    def tool_constraint(self) -> StructuredOutputsParams | None:
-        """The grammar `required` and named choices generate under; None otherwise."""
+    def tool_constraint(self, patterns: list | None = None, any_whitespace: bool = False
+                        ) -> StructuredOutputsParams | None:
+        """The grammar the reply's calls generate under: `required` and named choices' JSON;
+        for auto, free text in which the format's trigger starts a call held to one of
+        `patterns` (the parser's `CallPattern`s for these tools: vLLM's structural tag),
+        its arguments compact JSON unless `any_whitespace`. None: unconstrained."""
         mode = self.tool_mode
+        if mode == "auto" and patterns:
+            options = {"x-guidance": {"whitespace_flexible": any_whitespace}}
+            structures = [{"begin": p.begin, "schema": {**p.schema, **options}, "end": p.end}
+                          for p in patterns]
+            return StructuredOutputsParams(structural_tag={
+                "structures": structures, "triggers": sorted({p.trigger for p in patterns})})
         if mode == "named":
             tool = next(t for t in self.tools if t.function.name == self.tool_choice.function.name)
             return StructuredOutputsParams(json=_parameters(tool))

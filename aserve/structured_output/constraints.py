@@ -48,7 +48,7 @@ def compile_job(text: str, tokenizer: Any, limits: Any) -> dict[str, str]:
 
     kind, value, disable_any_whitespace = json.loads(text)
     try:
-        grammar = grammar_of(kind, value, disable_any_whitespace)
+        grammar = grammar_of(kind, value, disable_any_whitespace, tokenizer)
     except ValueError as e:
         return {"error": str(e)}
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
@@ -57,8 +57,11 @@ def compile_job(text: str, tokenizer: Any, limits: Any) -> dict[str, str]:
     return {"grammar": grammar}
 
 
-def grammar_of(kind: str, value: Any, disable_any_whitespace: bool) -> str:
-    """llguidance's grammar of one constraint, unchecked; ValueError naming the field."""
+def grammar_of(kind: str, value: Any, disable_any_whitespace: bool,
+               tokenizer: Any = None) -> str:
+    """llguidance's grammar of one constraint, unchecked; ValueError naming the field.
+    `tokenizer` (an `llguidance.LLTokenizer`) tells a structural tag's triggers that are
+    special tokens from text."""
     import llguidance
 
     options = {"whitespace_flexible": not disable_any_whitespace}
@@ -75,7 +78,7 @@ def grammar_of(kind: str, value: Any, disable_any_whitespace: bool) -> str:
             return llguidance.grammar_from("choice", json.dumps(value))
         if kind == "grammar":  # Lark, or GBNF / EBNF (`root ::= ...`)
             return llguidance.grammar_from("grammar", value)
-        return _structural_tag(value)
+        return _structural_tag(value, tokenizer)
     except Exception as e:  # llguidance's parse errors (ours name the field already)
         if str(e).startswith("structured_outputs"):
             raise ValueError(str(e)) from None
@@ -83,23 +86,96 @@ def grammar_of(kind: str, value: Any, disable_any_whitespace: bool) -> str:
                          f"{first_line(e)}") from None
 
 
-def _structural_tag(value: str | dict[str, Any]) -> str:
+def _structural_tag(value: str | dict[str, Any], tokenizer: Any = None) -> str:
     """vLLM's structural tag: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}:
-    free text in which each trigger starts a begin-schema-end segment."""
-    import llguidance
+    free text in which each trigger starts a begin-schema-end segment, as a Lark grammar:
 
+        start: piece* TEXT                   free text, then ...
+        piece: TEXT <[other specials]>       ... a special token that is no trigger, or
+             | tag_0 | tag_1 | ...           ... a segment
+        tag_i: head_i "begin[len(trigger):]" %json {schema} "end"
+        head_i: TEXT <[trigger id]> | head_i_text
+        head_i_text[lazy]: TEXT "trigger"
+
+    A trigger starts its segment whether the model writes it as the special token of that
+    name (Qwen's `<tool_call>`, Llama's `<|python_tag|>`) or spells it out in text (the demo
+    model writes "<tool_call>" in 4 tokens): a lazy lexeme ends the free text at its first
+    occurrence. llguidance reads every added token of a tokenizer as special and never as
+    text, so a begin or end that holds one (`</tool_call>`) names it by id, and free text may
+    hold any special token but a trigger (`<think>`, an EOS)."""
     tag = json.loads(value) if isinstance(value, str) else value
     if not isinstance(tag, dict) or not tag.get("structures") or not tag.get("triggers"):
         raise ValueError("structured_outputs.structural_tag needs structures and triggers.")
-    tags = []
-    for item in tag["structures"]:
+    rules, trigger_ids = [], set()
+    for i, item in enumerate(tag["structures"]):
         trigger = next((t for t in tag["triggers"] if item["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag: no trigger starts "
                              f"{item['begin']!r}.")
-        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"],
-                                         grammar=item.get("schema") or {}, end=item["end"]))
-    return llguidance.StructTag.to_grammar(tags)
+        schema = json.dumps(item.get("schema") or {}, ensure_ascii=False)
+        rules.append(f"tag_{i}: head_{i} {_lark_text(item['begin'][len(trigger):], tokenizer)} "
+                     f"%json {schema} {_lark_text(item['end'], tokenizer)}")
+        heads = [f"head_{i}_text"]
+        rules.append(f"head_{i}_text[lazy]: TEXT {json.dumps(trigger)}")
+        if (token := _special_token(trigger, tokenizer)) is not None:
+            heads.insert(0, f"TEXT <[{token}]>")
+            trigger_ids.add(token)
+        rules.append(f"head_{i}: {' | '.join(heads)}")
+    pieces = [f"tag_{i}" for i in range(len(tag["structures"]))]
+    if other := _id_ranges(_special_ids(tokenizer) - trigger_ids):
+        pieces.insert(0, f"TEXT <[{other}]>")
+    return "\n".join(["%llguidance {}", "start: piece* TEXT", f"piece: {' | '.join(pieces)}",
+                      *rules, r"TEXT: /(.|\n)*/", ""])
+
+
+def _lark_text(text: str, tokenizer: Any) -> str:
+    """`text` as a Lark sequence: its special tokens (as `tokenizer` reads it) by id, the
+    rest as string literals; `""` when empty."""
+    if tokenizer is None or not text:
+        return json.dumps(text)
+    parts, run = [], []
+    for token in tokenizer.tokenize_str(text):
+        if tokenizer.is_special_token(token):
+            if run:
+                parts.append(json.dumps(tokenizer.decode_str(run)))
+                run = []
+            parts.append(f"<[{token}]>")
+        else:
+            run.append(token)
+    if run:
+        parts.append(json.dumps(tokenizer.decode_str(run)))
+    return " ".join(parts)
+
+
+def _special_token(text: str, tokenizer: Any) -> int | None:
+    """The id of the one special token `text` is, if it is one."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.tokenize_str(text)
+    return ids[0] if len(ids) == 1 and tokenizer.is_special_token(ids[0]) else None
+
+
+_SPECIAL_IDS: dict[int, frozenset[int]] = {}  # by id(tokenizer): a worker keeps one tokenizer
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    if tokenizer is None:
+        return frozenset()
+    if id(tokenizer) not in _SPECIAL_IDS:
+        _SPECIAL_IDS[id(tokenizer)] = frozenset(
+            i for i in range(tokenizer.vocab_size) if tokenizer.is_special_token(i))
+    return _SPECIAL_IDS[id(tokenizer)]
+
+
+def _id_ranges(ids: set[int] | frozenset[int]) -> str:
+    """"1-3,7" for {1, 2, 3, 7}: llguidance's token-id ranges."""
+    ranges: list[list[int]] = []
+    for i in sorted(ids):
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges)
 
 
 def _json_schema(value: str | dict[str, Any]) -> dict[str, Any] | bool:

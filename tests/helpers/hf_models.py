@@ -6,7 +6,7 @@ here with `tokenizers`, and (in `make_hf_model`) random-weight transformers mode
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -81,12 +81,15 @@ GEMMA3_CHAT_TEMPLATE = (
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
                     model_max_length: int = 2048, chat_template: str | None = None,
-                    texts: Iterable[str] | None = None) -> Path:
+                    texts: Iterable[str] | None = None,
+                    added_tokens: Sequence[str] = ()) -> Path:
     """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json.
 
     Special tokens: ChatML's (`SPECIAL_TOKENS`), or with a Gemma chat template Gemma's
     (`GEMMA_SPECIAL_TOKENS`: <pad> 0, <eos> 1, <bos> 2, turn markers 3, 4; the template writes
-    the BOS). `texts`: the training corpus (default: `corpus()`)."""
+    the BOS). `added_tokens`: more whole tokens, not special (ids right after the special ones;
+    as Qwen's "<tool_call>", which decoding keeps). `texts`: the training corpus (default:
+    `corpus()`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     gemma = chat_template in (GEMMA2_CHAT_TEMPLATE, GEMMA3_CHAT_TEMPLATE)
@@ -98,14 +101,19 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512,
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=specials,
+        vocab_size=vocab_size, min_frequency=1, special_tokens=[*specials, *added_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus() if texts is None else texts, trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
+    if added_tokens:  # the trainer adds them all as special: these are not
+        saved = json.loads((out / "tokenizer.json").read_text())
+        for entry in saved["added_tokens"]:
+            entry["special"] = entry["content"] not in added_tokens
+        (out / "tokenizer.json").write_text(json.dumps(saved))
     added = {
         str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
-        for i, s in enumerate(specials)
+                 "single_word": False, "special": s in specials}
+        for i, s in enumerate([*specials, *added_tokens])
     }
     tok_cfg = {
         "add_bos_token": False,
@@ -335,3 +343,41 @@ def hf_greedy(model, prompts: list[list[int]], num_new: int, *, eos_token_id: in
             if with_logits:
                 logits.append(torch.cat(out.logits).float())
     return (outputs, logits) if with_logits else outputs
+
+
+# A ChatML template that renders tools as Qwen2.5's does (a system block listing them, calls in
+# <tool_call> tags, results as tool messages): what the hermes format is detected from.
+HERMES_TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions. Function signatures in <tools></tools>:\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{%- elif message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{{ message['content'] or '' }}"
+    "{%- for call in message.get('tool_calls', []) %}\n<tool_call>\n"
+    "{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message['role'] != 'system' or not loop.first %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+TOOL_TOKENS = ["<tool_call>", "</tool_call>"]  # ids 3, 4 of a tool model's tokenizer
+
+
+def make_tool_model(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny Qwen2 whose tokenizer has Qwen's "<tool_call>" / "</tool_call>" as whole tokens
+    (not special) and whose chat template renders tools as Qwen2.5's does; 2048 positions,
+    room for a prompt that lists tools."""
+    out = make_hf_model(out_dir, "qwen2", seed=seed, max_position_embeddings=2048)
+    build_tokenizer(out, vocab_size=TINY_CONFIG["vocab_size"],
+                    chat_template=HERMES_TOOLS_TEMPLATE, added_tokens=TOOL_TOKENS)
+    return out

@@ -2,7 +2,11 @@
 greeting typed into "Message" and sent streams a reply; a reply carrying HTML and script, forced
 through the page's own JSON-schema box, shows as text and runs nothing; Stop aborts a long reply
 in the engine; the dashboard's figures move as requests are served; under `/llm/` with
-`--api-key` the page asks for the key and both pages work with it.
+`--api-key` the page asks for the key and both pages work with it, and the key bar leaves the
+Send row on screen on a laptop and a phone. What the playground sends: tools with the default
+tool_choice (none: the server's default), never the question of a failed turn (shown failed;
+Regenerate retries it); a bad schema's error names `response_format`; tokens/s only from enough
+tokens over enough time.
 
 Skipped only where Chromium, its driver or selenium is missing (`.ci/run` installs them).
 """
@@ -32,6 +36,8 @@ pytestmark = [
 WAIT_S = 60
 ASSISTANT_DONE = '[data-role="assistant"][data-state="done"]'
 PAYLOAD = "<img src=x onerror=window.__pwned=1><script>window.__pwned=2</script>"
+NOT_A_SCHEMA = {"type": "nope"}  # valid JSON, refused by the server's schema check
+LONG_LIST = {"type": "array", "items": {"type": "integer"}, "minItems": 400}
 
 
 def demo_app(**config):
@@ -108,6 +114,26 @@ def send(driver, text: str) -> None:
     button = driver.find_element(By.XPATH, "//button[normalize-space()='Send']")
     assert button.accessible_name == "Send"
     button.click()
+
+
+def record_requests(driver) -> None:
+    """From now on the open page keeps the JSON body of each fetch it makes (`sent_bodies`)."""
+    driver.execute_script("""
+        window.__sent = [];
+        const fetchNow = window.fetch.bind(window);
+        window.fetch = (url, init) => {
+          if (init?.body) window.__sent.push(JSON.parse(init.body));
+          return fetchNow(url, init);
+        };""")
+
+
+def sent_bodies(driver) -> list[dict]:
+    return driver.execute_script("return window.__sent")
+
+
+def sent_messages(driver) -> list[tuple[str, str]]:
+    """(role, content) of each message the last request sent."""
+    return [(m["role"], m["content"]) for m in sent_bodies(driver)[-1]["messages"]]
 
 
 def last_reply(driver):
@@ -200,6 +226,24 @@ def test_a_required_tool_call_is_shown_with_its_arguments(server, driver):
     assert "finish: tool_calls" in reply.find_element("css selector", ".meta").text
 
 
+def test_tools_with_the_default_tool_choice_are_answered_by_a_default_server(server, driver):
+    """The menu's default sends no tool_choice: the server's own default ("auto" with tools),
+    which a server started without any tool flags answers."""
+    open_fresh(driver, f"{server}/")
+    record_requests(driver)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    css(driver, "#tools")[0].send_keys(json.dumps([tool]))
+    assert css(driver, "#tool_choice")[0].get_attribute("value") == ""  # the default
+    send(driver, "Weather in Paris?")
+    reply = last_reply(driver)
+    body = sent_bodies(driver)[-1]
+    assert body["tools"] == [tool] and "tool_choice" not in body
+    meta = reply.find_element("css selector", ".meta")
+    assert "error" not in meta.get_attribute("class"), meta.text
+    assert "completion tokens" in meta.text
+
+
 def test_reasoning_deltas_are_shown_apart_from_the_answer(reasoning_server, driver):
     open_fresh(driver, f"{reasoning_server}/")
     send(driver, "Hello")
@@ -209,6 +253,114 @@ def test_reasoning_deltas_are_shown_apart_from_the_answer(reasoning_server, driv
     reasoning.find_element("css selector", "summary").click()  # open it
     assert reply.find_element("css selector", ".thought").text.strip()
     assert reply.find_element("css selector", ".content").text == ""
+
+
+def test_a_failed_turn_is_shown_failed_never_sent_again_and_regenerate_retries_it(
+        server, driver):
+    open_fresh(driver, f"{server}/")
+    record_requests(driver)
+    schema = css(driver, "#schema")[0]
+    schema.send_keys(json.dumps(NOT_A_SCHEMA))
+    send(driver, "First")
+    failed = last_reply(driver)
+    assert "error" in failed.find_element("css selector", ".meta").get_attribute("class")
+    question = css(driver, '[data-role="user"]')[0]
+    assert question.get_attribute("data-failed") is not None
+    assert "Not answered" in question.find_element("css selector", ".meta").text
+
+    schema.clear()
+    css(driver, "#regenerate")[0].click()  # retries the failed turn: its question, once
+    wait(driver, lambda d: len(sent_bodies(d)) == 2)
+    last_reply(driver)
+    assert sent_messages(driver) == [("user", "First")]
+    assert not css(driver, "[data-failed]")
+    assert css(driver, '[data-role="user"] .meta')[0].text == ""
+    answer = driver.execute_script(  # as kept, before markdown
+        'return JSON.parse(localStorage.getItem("aserve:/:chat")).messages[1].content')
+    assert answer.strip()
+
+    schema.send_keys(json.dumps(NOT_A_SCHEMA))
+    send(driver, "Second")
+    wait(driver, lambda d: len(sent_bodies(d)) == 3)
+    last_reply(driver)
+    schema.clear()
+    send(driver, "Third")  # after the failed "Second": sent without it
+    wait(driver, lambda d: len(sent_bodies(d)) == 4)
+    assert last_reply(driver).find_element("css selector", ".content").text.strip()
+    assert sent_messages(driver) == [("user", "First"), ("assistant", answer), ("user", "Third")]
+    driver.refresh()  # kept failed across a reload
+    wait(driver, lambda d: len(css(d, "[data-role]")) == 6)
+    assert [t.text for t in css(driver, "[data-failed] .content")][:1] == ["Second"]
+    assert len(css(driver, "[data-failed]")) == 2  # "Second" and its error
+
+
+def test_a_bad_schema_error_names_response_format_the_field_the_page_filled(server, driver):
+    open_fresh(driver, f"{server}/")
+    css(driver, "#schema")[0].send_keys(json.dumps(NOT_A_SCHEMA))
+    send(driver, "Hello")
+    meta = last_reply(driver).find_element("css selector", ".meta").text
+    assert "not a valid JSON schema" in meta and "response_format" in meta, meta
+    assert "structured_outputs" not in meta, meta
+
+
+def test_tokens_per_second_are_shown_only_from_enough_tokens_over_enough_time(server, driver):
+    open_fresh(driver, f"{server}/")
+    css(driver, "#schema")[0].send_keys(json.dumps(LONG_LIST))  # never done within 3 tokens
+    css(driver, "#max_tokens")[0].send_keys("3")
+    send(driver, "Count")
+    meta = last_reply(driver).find_element("css selector", ".meta").text
+    assert "3 completion tokens" in meta and "finish: length" in meta, meta
+    assert "tok/s" not in meta, meta
+    stats = driver.execute_async_script("""
+        const done = arguments[0];
+        import(new URL("static/playground.js", document.baseURI)).then(({ replyStats }) => {
+          const usage = (n) => ({ prompt_tokens: 5, completion_tokens: n });
+          const times = (ms) => ({ started: 0, first: 100, last: 100 + ms });
+          done([
+            replyStats({ usage: usage(50), ...times(1000), finish: "length" }),
+            replyStats({ usage: usage(1), ...times(0), finish: "stop" }),
+            replyStats({ usage: usage(9), ...times(1000), finish: "stop" }),
+            replyStats({ usage: usage(50), ...times(20), finish: "stop" }),
+            replyStats({ usage: usage(50), ...times(1000), error: "gone" }),
+          ]);
+        });""")
+    assert stats[0] == ("5 prompt + 50 completion tokens · 49.0 tok/s · first token 0.10 s · "
+                        "finish: length")
+    assert not any("tok/s" in line for line in stats[1:]), stats  # 1 or 9 tokens, one burst,
+    assert all("completion tokens" in line for line in stats[1:])  # an error
+
+
+@pytest.mark.parametrize("width, height, phone", [(1280, 720, False), (390, 844, True)])
+def test_with_an_api_key_the_key_bar_leaves_the_send_row_on_screen(
+        keyed_llm_server, driver, width, height, phone):
+    """The key form widens the header (on a phone, by lines); the conversation, long here,
+    scrolls inside the page instead of pushing the message box and Send below it."""
+    url = f"{keyed_llm_server}/llm/"
+    turns = [{"role": role, "content": f"Message {i}\n" * 4}
+             for i in range(20) for role in ("user", "assistant")]
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": width, "height": height, "deviceScaleFactor": 1, "mobile": phone})
+    try:
+        open_fresh(driver, url)
+        driver.execute_script("localStorage.setItem(arguments[0], JSON.stringify(arguments[1]))",
+                              "aserve:/llm/:chat", {"messages": turns, "settings": {}})
+        driver.get(url)
+        wait(driver, lambda d: [f for f in css(d, "form.api-key") if f.is_displayed()])
+        assert len(css(driver, "[data-role]")) == len(turns)
+        for selector in ("#send", "#message", "form.api-key button"):
+            box = driver.execute_script("""
+                const r = document.querySelector(arguments[0]).getBoundingClientRect();
+                const hit = document.elementFromPoint((r.left + r.right) / 2,
+                                                      (r.top + r.bottom) / 2);
+                return {top: r.top, bottom: r.bottom, left: r.left, right: r.right,
+                        width: innerWidth, height: innerHeight,
+                        shown: hit === document.querySelector(arguments[0])};""", selector)
+            assert (box["width"], box["height"]) == (width, height)
+            assert 0 <= box["top"] and box["bottom"] <= height, (selector, box)
+            assert 0 <= box["left"] and box["right"] <= width, (selector, box)
+            assert box["shown"], (selector, box)  # nothing on top of it
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def streaming_text(driver) -> str:

@@ -104,22 +104,22 @@ def test_the_demo_model_answers_a_json_schema_request_with_valid_json():
 BAD = [
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "structured_outputs.json", "not a valid JSON schema"),
+     "response_format", "response_format.json_schema.schema is not a valid JSON schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs json_schema.schema"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "could not be"),
-    ({"guided_grammar": "root ::= missing"}, "structured_outputs.grammar", "could not be"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar", "guided_grammar could not be"),
     ({"guided_choice": []}, None, ""),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "structured_outputs", "one constraint"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
      "exactly one"),
     ({"response_format": {"type": "xml"}}, None, ""),
-    ({"guided_choice": [str(i) for i in range(10_001)]}, "structured_outputs.choice",
+    ({"guided_choice": [str(i) for i in range(10_001)]}, "guided_choice",
      "at most 10000"),
     ({"structured_outputs": {"json": {"enum": ["x" * 1000] * 1100}}}, "structured_outputs.json",
      "characters long as JSON"),
     ({"guided_grammar": "start: " + "|".join(f'"a{i}"' for i in range(30_000))},
-     "structured_outputs.grammar", "grammar size"),
+     "guided_grammar", "grammar size"),
 ]
 
 
@@ -152,7 +152,7 @@ def test_a_constraint_that_crashes_the_compiler_is_a_400_and_the_server_lives_on
     payload = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5,
                "guided_grammar": f'start: r0\n{rules}\nr5000: "z"'}
     response = httpx.post(f"{url}/v1/chat/completions", json=payload, timeout=60)
-    assert_error(response, 400, param="structured_outputs.grammar", contains="crashed")
+    assert_error(response, 400, param="guided_grammar", contains="crashed")
     out = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
         "model": "tiny", "messages": MESSAGES, "max_tokens": 5, "guided_choice": ["up", "down"]})
     assert out.status_code == 200 and out.json()["choices"][0]["message"]["content"] in (

@@ -1,10 +1,12 @@
 """Tool calling with the real openai SDK against a served tiny random-weight model at
 temperature 1: `required` and named tool choices, streamed and not, give `tool_calls` whose
-arguments validate against the function's schema, with `finish_reason: "tool_calls"`, and the
-streamed deltas concatenate to the non-streamed reply; `auto` with the hermes parser turns a
-`<tool_call>` block of the model's text (forced here by a regex constraint) into `tool_calls`;
-the llama3_json, mistral and hermes parsers read recorded model-format strings whole and
-streamed in random splits; tool history is accepted and reaches the chat template; bad tool
+arguments validate against the function's schema, with `finish_reason: "tool_calls"`, each
+streamed call whole once complete, equal to the non-streamed reply's; `auto` is the default
+with tools on a server started with no tool flags, its parser chosen from the chat template,
+and its calls constrained from the format's trigger on, so every call parses and validates; a
+call cut off by max_tokens comes back as content with finish_reason "length", streamed or
+not; no stream chunk is empty; tool history with any kind of arguments renders or is a 400;
+the parsers read recorded model-format strings whole and streamed in random splits; bad tool
 requests are 400s.
 """
 
@@ -102,9 +104,8 @@ def test_required_and_named_tool_choices_give_valid_calls_streamed_or_not(client
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
     calls, finish = streamed_calls(iter(chunks))
     assert finish == "tool_calls"
-    argument_deltas = [d for c in chunks for choice in c.choices
-                       for d in choice.delta.tool_calls or [] if d.function.arguments]
-    assert len(argument_deltas) > 2 * len(calls)  # streamed as written, not whole at the end
+    deltas = [d for c in chunks for choice in c.choices for d in choice.delta.tool_calls or []]
+    assert len(deltas) == len(calls)  # each call whole, once complete: never cut-off arguments
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole]
     assert all(c["id"] for c in calls.values())
@@ -169,11 +170,20 @@ def test_bad_tool_requests_are_400s(url, body, contains):
     assert_error(response, 400, contains=contains)
 
 
-def test_auto_without_a_parser_is_a_400(llama_dir):
+def test_tools_without_tool_choice_work_on_a_server_with_no_tool_flags(llama_dir):
+    """What LangChain's bind_tools() and the openai SDK send by default (tools, no tool_choice,
+    or "auto"): answered on a server started with no tool flags."""
+    from openai import OpenAI
+
     with serving(tiny_app(llama_dir)) as base:
-        response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 5})
-    assert_error(response, 400, param="tool_choice", contains="--enable-auto-tool-choice")
+        for choice in ({}, {"tool_choice": "auto"}):
+            response = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 5,
+                **choice})
+            assert response.status_code == 200, response.text
+        out = OpenAI(base_url=f"{base}/v1", api_key="none").chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=5)
+        assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
 
 
 RECORDED = {
@@ -233,9 +243,9 @@ REQUIRED_REPLIES = [
 @pytest.mark.parametrize("reply", REQUIRED_REPLIES)
 def test_required_replies_stream_names_then_arguments_in_random_splits(reply):
     """A `required` reply is the grammar's JSON array (compact, or with any whitespace): in
-    any split its stream sends each call's name once complete, then its arguments as written;
-    the fragments concatenate to the non-streamed calls', whose arguments are the raw
-    "parameters" text, which parses to the value in the reply."""
+    any split its stream sends each call whole once its object closes, as the non-streamed
+    reply has it: its arguments are the raw "parameters" text, which parses to the value in
+    the reply."""
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
                                  tool_choice="required")
     tools = ReplyTools(body, None)
@@ -258,3 +268,166 @@ def test_required_replies_stream_names_then_arguments_in_random_splits(reply):
         assert stream.has_calls
         assert [(c["name"], c["arguments"]) for c in calls.values()] == [
             (c.function.name, c.function.arguments) for c in whole]
+
+
+# ------------------------------------------------------------------ constrained auto calls
+
+@pytest.fixture(scope="module")
+def tool_url(tmp_path_factory):
+    """A tiny Qwen2 with Qwen's "<tool_call>" token and a template that renders tools as
+    Qwen2.5's does, served with no tool flags: the hermes format is found in its template."""
+    from helpers.hf_models import make_tool_model
+
+    model = make_tool_model(tmp_path_factory.mktemp("tool_model") / "qwen2-tools")
+    with serving(tiny_app(model, max_model_len=1024)) as base:
+        yield base
+
+
+def auto_request(url: str, **extra) -> dict:
+    """Forced to start calls: "<tool_call>" (id 3) is 30 logits up wherever free text may go
+    (inside a call the grammar decides), so each choice writes call after call until
+    max_tokens; the calls that complete must all parse and validate."""
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "temperature": 1.0,
+            "max_tokens": 120, "logit_bias": {"3": 30}, **extra}
+    return body
+
+
+def test_auto_calls_are_constrained_from_the_trigger_on(tool_url):
+    response = httpx.post(f"{tool_url}/v1/chat/completions", timeout=120,
+                          json=auto_request(tool_url, n=8, seed=1))
+    assert response.status_code == 200, response.text
+    num_calls = 0
+    for choice in response.json()["choices"]:
+        calls = choice["message"]["tool_calls"]
+        for call in calls:  # 100 %: every call the model completed parses and validates
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                SCHEMAS[call["function"]["name"]])
+        num_calls += len(calls)
+        # cut off by max_tokens inside the next call: that one is content, never a call
+        assert choice["finish_reason"] == "length"
+        assert choice["message"]["content"].lstrip().startswith("<tool_call>")
+    assert num_calls >= 8
+
+
+def test_constrained_auto_calls_stream_as_they_come_whole(tool_url):
+    body = auto_request(tool_url, seed=7)
+    whole = httpx.post(f"{tool_url}/v1/chat/completions", json=body, timeout=120).json()
+    message = whole["choices"][0]["message"]
+    with httpx.stream("POST", f"{tool_url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:] if c["choices"]]
+    assert all(d.get("content") or d.get("tool_calls") for d in deltas[:-1])  # none empty
+    streamed = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in streamed] == [
+        (t["function"]["name"], t["function"]["arguments"]) for t in message["tool_calls"]]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ------------------------------------------------------------------ one truncation rule
+
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}],
+    ids=["required", "named"])
+def test_a_call_cut_off_is_content_with_length_streamed_or_not(url, tool_choice):
+    body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "tool_choice": tool_choice,
+            "temperature": 1.0, "seed": 3, "max_tokens": 6}
+    whole = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"]  # the cut-off call's text
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks[1:] if c["choices"]]
+    assert not any(d["delta"].get("tool_calls") for d in deltas)
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == \
+        choice["message"]["content"]
+    assert deltas[-1]["finish_reason"] == "length"
+    assert all(d["delta"] or d["finish_reason"] for d in deltas)  # no empty chunk
+
+
+# ------------------------------------------------------------------ history and bad tools
+
+@pytest.mark.parametrize("arguments", [
+    '{"city": "Paris", "days": 2}', {"city": "Paris", "days": 2}, '{"city": "Par', "", "[1]"])
+def test_tool_history_with_any_arguments_renders_or_is_a_400(tool_url, arguments):
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    response = httpx.post(f"{tool_url}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": history, "tools": TOOLS, "max_tokens": 3})
+    if response.status_code != 200:
+        assert_error(response, 400, "messages")
+
+
+def test_a_tool_schema_that_cannot_compile_is_a_400_naming_tools(tool_url):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}]
+    for choice in ("auto", "required"):
+        response = httpx.post(f"{tool_url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": MESSAGES, "tools": bad, "tool_choice": choice,
+            "max_tokens": 3})
+        assert_error(response, 400, "tools")
+
+
+def test_demo_model_auto_calls_parse_and_validate_at_temperature_1():
+    """The built-in demo model under the auto grammar, sampling at temperature 1. It never
+    writes a call by itself (its template shows no tools), and its tokenizer spells Hermes'
+    "<tool_call>" in 7 text tokens: the lazy-trigger path, where the grammar takes hold once
+    the trigger's text is complete. So the trigger is written for it, after which it samples
+    under the grammar's mask until the call closes; every call, read back by the hermes
+    parser the server picks for it, parses and validates."""
+    import llguidance
+    import llguidance.torch
+    import torch
+    import transformers
+
+    from aserve.assets import DEMO_MODEL_DIR
+    from aserve.structured_output.constraints import compile_job, constraint_job
+
+    body = ChatCompletionRequest(model="demo", messages=MESSAGES, tools=TOOLS)
+    parser = get_tool_parser("hermes")
+    spec = body.tool_constraint(parser.call_patterns(body.template_tools()))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR,
+                                                              dtype=torch.float32).eval()
+    vocab = model.config.vocab_size
+    tokenizer = llguidance.LLTokenizer(hf_tok.backend_tokenizer.to_str(), n_vocab=vocab,
+                                       eos_token=[hf_tok.eos_token_id])
+    compiled = compile_job(constraint_job(spec), tokenizer, llguidance.LLParserLimits())
+    assert "grammar" in compiled, compiled
+    prompt = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt_ids = hf_tok(prompt, add_special_tokens=False)["input_ids"]
+    written = hf_tok("Let me see.\n<tool_call>", add_special_tokens=False)["input_ids"]
+    bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+    calls = []
+    for seed in range(12):
+        matcher = llguidance.LLMatcher(tokenizer, compiled["grammar"])
+        assert all(matcher.consume_token(t) for t in written)  # free text, then the trigger
+        generator = torch.Generator().manual_seed(seed)
+        ids, past = torch.tensor([prompt_ids + written]), None
+        out: list[int] = []
+        with torch.no_grad():
+            while "</tool_call>" not in hf_tok.decode(out) and len(out) < 200:
+                step = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past, logits = step.past_key_values, step.logits[:, -1].float()
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+                llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+                token = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+                assert matcher.consume_token(token), matcher.get_error()
+                out.append(token)
+                ids = torch.tensor([[token]])
+        text = hf_tok.decode(written + out)
+        assert "</tool_call>" in text  # the grammar closes every call it opens
+        parsed = parser.parse(text, final=True)
+        assert parsed.content == "Let me see.\n" and len(parsed.calls) == 1, text
+        calls.append(parsed.calls[0])
+    for name, arguments in calls:  # 100 %
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert len({name for name, _ in calls}) == 2  # both tools were called

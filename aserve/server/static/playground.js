@@ -9,18 +9,50 @@ const CHAT_ITEM = storageItem("chat");
 const $ = (id) => document.getElementById(id);
 const NUMBERS = ["temperature", "top_p", "max_tokens", "seed"];
 const SETTINGS = ["system", ...NUMBERS, "schema", "tools", "tool_choice"];
+// tokens/s is shown for a reply of at least this many tokens, streamed over at least this long:
+// from fewer, or from tokens that came in one burst, it is noise
+const RATE_MIN_TOKENS = 10;
+const RATE_MIN_MS = 250;
 
 let chat = loadChat();  // {messages: [{role, content, ...}], settings: {id: value}}
 let controller = null;  // aborts the reply streaming now
+const views = new WeakMap();  // message → its turn's element
 
 function loadChat() {
   try {
     const saved = JSON.parse(localStorage.getItem(CHAT_ITEM));
-    if (saved && Array.isArray(saved.messages)) return saved;
+    if (saved && Array.isArray(saved.messages)) return markFailed(saved);
   } catch {
     // nothing saved, or not ours: start afresh
   }
   return { messages: [], settings: {} };
+}
+
+/**
+ * A turn fails when its reply does (an error, not Stop). Its messages, the user's and the
+ * reply, stay on screen marked `failed` and are left out of every later request: the next
+ * message is not sent after a question that was never answered. Regenerate retries the turn.
+ */
+function markFailed(saved) {
+  let asked = [];  // the user's messages since the last reply
+  for (const message of saved.messages) {
+    if (message.role === "user") {
+      asked.push(message);
+      continue;
+    }
+    for (const m of [...asked, message]) {
+      if (message.error) m.failed = true;
+      else delete m.failed;
+    }
+    asked = [];
+  }
+  for (const m of asked) delete m.failed;  // not answered yet
+  return saved;
+}
+
+/** The user's messages after the last reply: what the next reply answers. */
+function question(messages) {
+  return messages.slice(messages.findLastIndex((m) => m.role !== "user") + 1);
 }
 
 function saveChat() {
@@ -39,6 +71,7 @@ function turnView(message) {
   const view = document.createElement("article");
   view.className = "turn";
   view.dataset.role = message.role;
+  views.set(message, view);
   part("div", "who", view).textContent = message.role === "user" ? "You" : "Assistant";
   const reasoning = part("details", "reasoning", view);
   part("summary", "", reasoning).textContent = "Reasoning";
@@ -54,8 +87,11 @@ function turnView(message) {
     calls.hidden = !message.tool_calls?.length;
     calls.textContent = (message.tool_calls || [])
       .map((c) => `${c.function.name}(${c.function.arguments})`).join("\n");
-    meta.textContent = [message.meta, message.error].filter(Boolean).join(" · ");
-    meta.classList.toggle("error", Boolean(message.error));
+    const failed = message.role === "user" && message.failed
+      ? "Not answered: not sent with later messages" : "";
+    meta.textContent = [message.meta, message.error, failed].filter(Boolean).join(" · ");
+    meta.classList.toggle("error", Boolean(message.error || failed));
+    view.toggleAttribute("data-failed", Boolean(message.failed));
   };
   view.update();
   return view;
@@ -78,7 +114,7 @@ function parsedBox(id, what) {
 
 function requestBody(history) {
   const system = $("system").value.trim();
-  const messages = history.filter((m) => !(m.role === "assistant" && m.error && !m.content))
+  const messages = history.filter((m) => !m.failed)
     .map((m) => (m.tool_calls?.length
       ? { role: m.role, content: m.content, tool_calls: m.tool_calls }
       : { role: m.role, content: m.content }));
@@ -114,12 +150,19 @@ function addDelta(reply, delta) {
   }
 }
 
-function describe(usage, started, first, ended, finish) {
+/**
+ * The line under a reply. Times are performance.now() values: `started` (request sent),
+ * `first` / `last` (the first and last token arrived; null before any). tokens/s is the
+ * decode rate, tokens after the first over the time between them, and only where it means
+ * something (`RATE_MIN_TOKENS`, `RATE_MIN_MS`; never for a failed reply).
+ */
+export function replyStats({ usage, started, first, last, finish, error }) {
   const parts = [];
   if (usage) {
     parts.push(`${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens`);
-    if (usage.completion_tokens > 1 && ended > first) {
-      parts.push(`${((usage.completion_tokens - 1) / ((ended - first) / 1000)).toFixed(1)} tok/s`);
+    const span = last - first;
+    if (!error && usage.completion_tokens >= RATE_MIN_TOKENS && span >= RATE_MIN_MS) {
+      parts.push(`${((usage.completion_tokens - 1) / (span / 1000)).toFixed(1)} tok/s`);
     }
   }
   if (first !== null) parts.push(`first token ${((first - started) / 1000).toFixed(2)} s`);
@@ -139,6 +182,7 @@ async function streamReply(reply, view, body) {
   let redraw = 0;
   const started = performance.now();
   let first = null;
+  let last = null;
   let usage = null;
   let finish = null;
   controller = new AbortController();
@@ -149,7 +193,8 @@ async function streamReply(reply, view, body) {
       for (const choice of chunk.choices || []) {
         const delta = choice.delta || {};
         if (delta.content || delta.reasoning_content || delta.tool_calls) {
-          first ??= performance.now();  // the role chunk before it carries no token
+          last = performance.now();
+          first ??= last;  // the role chunk before it carries no token
         }
         addDelta(reply, delta);
         finish = choice.finish_reason || finish;
@@ -161,7 +206,7 @@ async function streamReply(reply, view, body) {
     else reply.error = e.message;
   }
   cancelAnimationFrame(redraw);
-  reply.meta = describe(usage, started, first, performance.now(), finish);
+  reply.meta = replyStats({ usage, started, first, last, finish, error: reply.error });
 }
 
 async function reply() {
@@ -180,7 +225,11 @@ async function reply() {
   }
   controller = null;
   setBusy(false);
-  followingEnd(view.update);
+  markFailed(chat);
+  followingEnd(() => {
+    for (const m of question(history)) views.get(m)?.update();  // failed, or not
+    view.update();
+  });
   view.dataset.state = "done";
   saveChat();
 }
@@ -208,6 +257,8 @@ function regenerate() {
     chat.messages.pop();
     $("messages").lastElementChild.remove();
   }
+  markFailed(chat);  // the question is asked again: no longer failed
+  for (const m of question(chat.messages)) views.get(m)?.update();
   if (chat.messages.length) reply();
 }
 

@@ -1,21 +1,32 @@
 """What every tool-call parser is: `ToolParser` (a model's own tool-call format -> content and
 calls, and the patterns its calls follow, for constrained auto calls), `ParsedTools`,
-`CallPattern`, and the streaming differ every parser shares (`StreamingToolParser`).
+`CallPattern`, the streaming differ every parser shares (`StreamingToolParser`), and the pieces
+most formats are made of (`scan`: content with calls that open at a marker; `call_of`,
+`json_at`).
 
 Each parser reads the whole text so far: `parse(text, final)` gives the content that is safely
 content and the calls complete in it; streaming diffs successive parses, so a streamed reply's
-chunks concatenate to the non-streamed result. Text that looks like a call but does not parse
-stays content.
+chunks concatenate to the non-streamed result. For that, a parse of a longer text never takes
+back what a shorter one gave: its content starts with the shorter one's, its calls too. Text
+that looks like a call but does not parse stays content, as written.
+
+The text is the reply as decoded, without the EOS / stop token that ended it (`<|call|>`,
+`<|eom_id|>`, ...): in formats whose call ends at EOS, the end of a `final` text ends the call.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from functools import lru_cache
+from typing import Any, ClassVar
 
 from aserve.server.tools import FunctionCall, ToolCall
+
+Call = tuple[str, str]  # (name, arguments JSON)
 
 
 @dataclass(frozen=True)
@@ -34,26 +45,33 @@ class CallPattern:
 @dataclass
 class ParsedTools:
     content: str  # the text that is not a call (so far)
-    calls: list[tuple[str, str]]  # (name, arguments JSON), complete calls only
+    calls: list[Call]  # complete calls only
 
 
 class ToolParser(ABC):
-    """`skip_special_tokens` is False where the format's markers are special tokens that
-    decoding would drop."""
+    """One model format. `name` is its `--tool-call-parser` name. `skip_special_tokens` is
+    False where the format's markers are special tokens that decoding would drop. `tools` are
+    the request's tools (as the chat template takes them), set by whoever makes the parser for
+    a request, for formats whose argument values are typed by the tools' schemas
+    (qwen3_coder); without them values are read as JSON where they parse."""
 
-    skip_special_tokens = True
+    name: ClassVar[str] = ""
+    skip_special_tokens: ClassVar[bool] = True
+    tools: list[dict[str, Any]] | None = None
 
     @abstractmethod
     def parse(self, text: str, final: bool) -> ParsedTools:
         """The content and the complete calls of `text`; not `final`: text that may still
-        become a call (a marker's first characters) is held back from the content."""
+        become a call (a marker's first characters, a call not yet closed) is held back."""
 
     def call_patterns(self, tools: list[dict[str, Any]]) -> list[CallPattern] | None:
-        """One pattern per tool (`tools` as the chat template takes them: {"type":
-        "function", "function": {"name", "parameters", ...}}) that constrained auto calls
-        follow; None where this format's calls cannot be written so (they are then only
-        parsed)."""
+        """Patterns (`tools` as the chat template takes them: {"type": "function",
+        "function": {"name", "parameters", ...}}) that constrained auto calls follow; None
+        where this format's calls cannot be written so (they are then only parsed)."""
         return None
+
+
+# ------------------------------------------------------------------------------- markers
 
 
 def held_back(text: str, marker: str) -> int:
@@ -65,11 +83,128 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def call_of(obj: object, arguments_key: str) -> tuple[str, str] | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def held_back_any(text: str, markers: Iterable[str]) -> int:
+    return max((held_back(text, m) for m in markers), default=0)
+
+
+def first_marker(text: str, pos: int, markers: Iterable[str]) -> tuple[int, str]:
+    """(index, marker) of the first of `markers` in `text` from `pos` (the longest where
+    several start there); (-1, "") if none. One pass that stops there: a search per marker
+    would read to the end of the text for each marker that is absent, once per call."""
+    markers = tuple(markers)
+    found = _any_of(markers).search(text, pos) if markers else None
+    return (found.start(), found.group()) if found else (-1, "")
+
+
+@lru_cache(maxsize=64)
+def _any_of(markers: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+
+
+# A call reader: (text, where its marker starts, the marker, final) -> None while the call is
+# still being written (at the end: not a call), else (its calls, or None when it is not one,
+# and where it ends).
+ReadCall = Callable[[str, int, str, bool], "tuple[list[Call] | None, int] | None"]
+
+
+def scan(text: str, final: bool, markers: tuple[str, ...], read_call: ReadCall) -> ParsedTools:
+    """Content with calls that open at one of `markers`, each read by `read_call`. Content
+    ends before a call still being written, and before a possible marker start."""
+    content, calls, pos = [], [], 0
+    while True:
+        start, marker = first_marker(text, pos, markers)
+        if start < 0:
+            tail = text[pos:]
+            content.append(tail if final else tail[:len(tail) - held_back_any(tail, markers)])
+            break
+        content.append(text[pos:start])
+        found = read_call(text, start, marker, final)
+        if found is None:
+            if final:
+                content.append(text[start:])
+            break
+        got, end = found
+        if got is None:
+            content.append(text[start:end])
+        else:
+            calls.extend(got)
+        pos = end
+    return ParsedTools("".join(content), calls)
+
+
+def free_text(text: str, final: bool, markers: Iterable[str]) -> str:
+    """`text`, in which no call starts, as content: less a possible marker start at its end
+    unless `final`."""
+    return text if final else text[:len(text) - held_back_any(text, markers)]
+
+
+# ---------------------------------------------------------------------------------- JSON
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"\s*")
+
+
+def skip_space(text: str, pos: int) -> int:
+    """The index of the first character at or after `pos` that is not whitespace."""
+    return _SPACE.match(text, pos).end()
+
+
+def json_at(text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at `pos` (after whitespace) and the index after it; None if
+    no complete value starts there."""
+    pos = skip_space(text, pos)
+    try:
+        return _DECODER.raw_decode(text, pos)
+    except (ValueError, RecursionError):  # ValueError: also an int past Python's digit limit
         return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def arguments_json(value: Any) -> str | None:
+    """A call's arguments as JSON text: an object (none given: {}), or a string that holds one
+    (some models write them so); None when they are neither."""
+    if value is None:
+        value = {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(value, dict):
+        return None
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):  # NaN / Infinity: not JSON
+        return None
+
+
+def call_of(obj: object, arguments_key: str = "arguments") -> Call | None:
+    """A {"name": ..., "arguments" (or `arguments_key`, or "parameters"): {...}} object as a
+    call; None when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    for key in (arguments_key, "arguments", "parameters"):
+        if key in obj:
+            arguments = arguments_json(obj[key])
+            break
+    else:
+        arguments = "{}"
+    return None if arguments is None else (obj["name"], arguments)
+
+
+def json_calls_at(text: str, pos: int, arguments_key: str = "arguments"
+                  ) -> tuple[list[Call] | None, int] | None:
+    """A JSON array of call objects (or one object) at `pos`: (its calls, or None when it is
+    not such, and the index after it); None when no complete JSON value starts there."""
+    found = json_at(text, pos)
+    if found is None:
+        return None
+    value, end = found
+    objects = value if isinstance(value, list) else [value]
+    calls = [call_of(obj, arguments_key) for obj in objects]
+    return (None if not calls or None in calls else calls), end
+
+
+# ------------------------------------------------------------------------------- results
 
 
 def tool_calls_of(parsed: ParsedTools) -> list[ToolCall]:
@@ -94,9 +229,6 @@ class StreamingToolParser:
         new = tool_calls_of(ParsedTools("", parsed.calls[self.calls_sent:]))
         self.calls_sent = len(parsed.calls)
         return content, new
-
-
-
 
 
 def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:

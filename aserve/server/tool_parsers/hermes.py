@@ -1,59 +1,82 @@
-"""`hermes`: Qwen2.5 / Qwen3 / Hermes, each call in its own tags:
+"""`hermes`: Qwen2.5 / Qwen3 / Hermes 2 Pro and 3 / Granite 4, each call in its own tags:
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
+
+Read leniently, as these models write it: any whitespace around the JSON, keys in either order
+(Hermes 2 Pro writes "arguments" first), `arguments` as a JSON string that holds the object,
+one closing brace too few or too many, a `</tool_call>` inside a JSON string (the call ends at
+the first one outside the strings), and a last call whose `</tool_call>` never came (the reply
+ended at EOS right after a whole object). A call is sent once its `</tool_call>` is written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from aserve.server.tool_parsers.base import (
+    Call,
     CallPattern,
     ParsedTools,
     ToolParser,
     call_of,
-    held_back,
+    json_at,
+    scan,
     tool_name,
     tool_parameters,
 )
 
+START, END = "<tool_call>", "</tool_call>"
+_TAG_OR_QUOTE = re.compile(r'</tool_call>|"')
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # to a string's closing quote
+
 
 class HermesToolParser(ToolParser):
-    START, END = "<tool_call>", "</tool_call>"
+    name = "hermes"
+    skip_special_tokens = False  # Hermes' tokenizers mark <tool_call> special
 
     def call_patterns(self, tools):
-        return [CallPattern(self.START, f'{self.START}\n{{"name": {json.dumps(tool_name(t))}, '
-                            '"arguments": ', tool_parameters(t), f"}}\n{self.END}")
+        return [CallPattern(START, f'{START}\n{{"name": {json.dumps(tool_name(t))}, '
+                            '"arguments": ', tool_parameters(t), f"}}\n{END}")
                 for t in tools]
 
     def parse(self, text: str, final: bool) -> ParsedTools:
-        content, calls, pos = [], [], 0
-        while True:
-            start = text.find(self.START, pos)
-            if start < 0:
-                tail = text[pos:]
-                keep = len(tail) if final else len(tail) - held_back(tail, self.START)
-                content.append(tail[:keep])
-                break
-            content.append(text[pos:start])
-            end = text.find(self.END, start)
-            if end < 0:  # a call still being written (or, at the end, a broken one)
-                if final:
-                    content.append(text[start:])
-                break
-            body = text[start + len(self.START):end].strip()
-            try:
-                call = call_of(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                content.append(text[start:end + len(self.END)])
-            else:
-                calls.append(call)
-            pos = end + len(self.END)
-        return ParsedTools("".join(content), calls)
+        return scan(text, final, (START,), read_tagged_call)
 
 
+def read_tagged_call(text: str, start: int, marker: str, final: bool):
+    body_start = start + len(marker)
+    close = closing_tag(text, body_start)
+    if close < 0 and not final:
+        return None
+    if close < 0:
+        close = text.find(END, body_start)  # (a string left open: the first tag, as written)
+    body = text[body_start:] if close < 0 else text[body_start:close]
+    call = hermes_call(body, closed=close >= 0)
+    return ([call] if call else None), (len(text) if close < 0 else close + len(END))
 
+
+def closing_tag(text: str, pos: int) -> int:
+    """Where the `</tool_call>` after `pos` that is not inside a JSON string starts (the
+    arguments may hold the tag: code, docs); -1 if none yet."""
+    while (found := _TAG_OR_QUOTE.search(text, pos)) is not None:
+        if found.group() == END:
+            return found.start()
+        string = _STRING_REST.match(text, found.end())
+        if string is None:
+            return -1
+        pos = string.end()
+    return -1
+
+
+def hermes_call(body: str, closed: bool) -> Call | None:
+    """The call in one tag's body: a JSON object, possibly a few braces over, or (`closed`:
+    not cut off) one short."""
+    body = body.strip()
+    for candidate in (body, body + "}") if closed else (body,):
+        found = json_at(candidate, 0)
+        if found is not None and not candidate[found[1]:].replace("}", "").strip():
+            return call_of(found[0], "arguments")
+    return None

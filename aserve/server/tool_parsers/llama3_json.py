@@ -1,42 +1,77 @@
-"""`llama3_json`: Llama 3.x's JSON calls, the whole reply (after an optional <|python_tag|>):
+"""`llama3_json`: Llama 3.1 / 3.2 / 3.3 / 4's JSON calls (the templates ask for `{"name":
+function name, "parameters": dictionary of argument name and its value}`):
 
     {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ..., "parameters": ...}
+
+The calls are the whole reply, objects separated by ";" (or whitespace), or everything after a
+`<|python_tag|>` (Llama 3) or `<|python_start|>` (Llama 4, which may close it with
+`<|python_end|>`); text before the tag is content. A reply that opens with `{"` may be calls, so
+it is held back until the reply ends (the calls come then, or it all turns out content); any
+other reply streams as content.
+
+`call_patterns`: trigger `<|python_tag|>`, not `{"name": `. A bare `{"name": ` is what Llama
+3.x usually writes, but it is also what any JSON answer opens with, and a trigger seizes the
+text wherever it appears; the tag is a special token no ordinary answer contains. So a
+constrained call is `<|python_tag|>{"name": "NAME", "parameters": ` + schema + `}`, and a bare
+call is still read, unconstrained.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from aserve.server.tool_parsers.base import (
+    Call,
+    CallPattern,
     ParsedTools,
     ToolParser,
     call_of,
+    first_marker,
+    free_text,
+    json_at,
+    tool_name,
+    tool_parameters,
 )
+
+TAGS = ("<|python_tag|>", "<|python_start|>")
+END_TAG = "<|python_end|>"
+_MAY_BE_CALLS = re.compile(r'\s*(\{\s*("|$)|$)')  # a reply that may still open with {"
 
 
 class Llama3JsonToolParser(ToolParser):
-    """The reply is the call(s), JSON objects separated by ";"; anything else is content."""
-
-    TAG = "<|python_tag|>"
+    name = "llama3_json"
     skip_special_tokens = False
 
+    def call_patterns(self, tools):
+        return [CallPattern(TAGS[0], f'{TAGS[0]}{{"name": {json.dumps(tool_name(t))}, '
+                            '"parameters": ', tool_parameters(t), "}") for t in tools]
+
     def parse(self, text: str, final: bool) -> ParsedTools:
-        body = text.strip()
-        looks_like_call = body.startswith(("{", self.TAG)) or (
-            not final and self.TAG.startswith(body))
-        if not looks_like_call:
-            return ParsedTools(text, [])
+        start, tag = first_marker(text, 0, TAGS)
+        if start >= 0:
+            head, body = text[:start], text[start + len(tag):]
+        elif _MAY_BE_CALLS.match(text):
+            head, body = "", text
+        else:
+            return ParsedTools(free_text(text, final, TAGS), [])
         if not final:
-            return ParsedTools("", [])
-        calls = []
-        for part in body.removeprefix(self.TAG).split(";"):
-            try:
-                call = call_of(json.loads(part), "parameters")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return ParsedTools(text, [])
-            calls.append(call)
-        return ParsedTools("", calls)
+            return ParsedTools(head, [])
+        calls = json_calls(body)
+        return ParsedTools(head, calls) if calls else ParsedTools(text, [])
 
 
+def json_calls(body: str) -> list[Call] | None:
+    """`{...}; {...}` (Llama 4's python tags around or between them allowed) as calls."""
+    body = body.replace(END_TAG, " ").replace(TAGS[1], " ").strip()
+    calls, pos = [], 0
+    while pos < len(body):
+        found = json_at(body, pos)
+        call = call_of(found[0], "parameters") if found else None
+        if call is None:
+            return None
+        calls.append(call)
+        pos = found[1]
+        while pos < len(body) and (body[pos].isspace() or body[pos] == ";"):
+            pos += 1
+    return calls or None
