@@ -132,7 +132,8 @@ class ReplyTools:
         if self.mode == "auto" and self.parser is not None:
             parsed = self.parser.parse(text, final=True)
             calls = tool_calls_of(parsed)
-            return (parsed.content.strip() or None) if calls else parsed.content, calls
+            blank = calls and not parsed.content.strip()  # (kept as is: streams send it so)
+            return (None if blank else parsed.content), calls
         return text, []
 
     def stream(self) -> ChoiceToolStream:
