@@ -31,6 +31,8 @@ from aserve.server.errors import EXCEPTION_HANDLERS, error_response
 from aserve.server.frontend import frontend_routes
 from aserve.server.metrics import ServerMetrics
 from aserve.server.openapi import openapi_json
+from aserve.server.reasoning_parsers import get_reasoning_parser
+from aserve.server.tool_parsers import get_tool_parser
 
 
 @dataclass
@@ -71,6 +73,10 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.metrics = ServerMetrics(self.model_name)
         self.chat_template = _read_template(config.chat_template)
+        if config.tool_call_parser is not None:
+            get_tool_parser(config.tool_call_parser)  # ValueError now, not at each request
+        if config.reasoning_parser is not None:
+            get_reasoning_parser(config.reasoning_parser)
 
 
 def _read_template(value: str | None) -> str | None:

@@ -431,3 +431,11 @@ def test_demo_model_auto_calls_parse_and_validate_at_temperature_1():
     for name, arguments in calls:  # 100 %
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
     assert len({name for name, _ in calls}) == 2  # both tools were called
+
+
+def test_a_parser_that_does_not_exist_is_refused_when_the_app_is_built(llama_dir):
+    from aserve.engine.arg_utils import EngineArgs
+    from aserve.server import build_app
+
+    with pytest.raises(ValueError, match="tool call parser 'nope' is unknown"):
+        build_app(EngineArgs(model=str(llama_dir)), ServerConfig(tool_call_parser="nope"))
