@@ -113,6 +113,9 @@ class ReplyTools:
     def __init__(self, body, parser: ToolParser | None) -> None:
         self.body, self.parser = body, parser
         self.mode = getattr(body, "tool_mode", "none")
+        # parallel_tool_calls false: an auto reply's calls after its first are dropped, as
+        # vLLM drops them (`required` is held to one call by its grammar)
+        self.max_calls = None if getattr(body, "parallel_tool_calls", True) is not False else 1
 
     def split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
         """(content, calls) of a whole reply; a call cut off stays content (module rule)."""
@@ -131,7 +134,7 @@ class ReplyTools:
                 for c in calls]
         if self.mode == "auto" and self.parser is not None:
             parsed = self.parser.parse(text, final=True)
-            calls = tool_calls_of(parsed)
+            calls = tool_calls_of(parsed)[:self.max_calls]
             blank = calls and not parsed.content.strip()  # (kept as is: streams send it so)
             return (None if blank else parsed.content), calls
         return text, []
@@ -177,6 +180,8 @@ class ChoiceToolStream:
             return content, deltas or None
         if self.parsing is not None:
             content, calls = self.parsing.feed(text, final=finish_reason is not None)
+            if self.tools.max_calls is not None:
+                calls = calls[:max(0, self.tools.max_calls - self.num_calls)]
             return content, self._deltas(calls) or None
         return text, None
 

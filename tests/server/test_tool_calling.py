@@ -326,6 +326,24 @@ def test_constrained_auto_calls_stream_as_they_come_whole(tool_url):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_parallel_tool_calls_false_keeps_an_auto_replys_first_call(tool_url):
+    body = auto_request(tool_url, seed=1, parallel_tool_calls=False)
+    many = httpx.post(f"{tool_url}/v1/chat/completions", timeout=120,
+                      json={**body, "parallel_tool_calls": True}).json()
+    first = many["choices"][0]["message"]["tool_calls"]
+    assert len(first) > 1  # (the model writes several calls)
+    one = httpx.post(f"{tool_url}/v1/chat/completions", json=body, timeout=120).json()
+    assert one["choices"][0]["message"]["tool_calls"] == [
+        {**first[0], "id": one["choices"][0]["message"]["tool_calls"][0]["id"]}]
+    with httpx.stream("POST", f"{tool_url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = [t for c in chunks if c["choices"]
+                for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [t["function"] for t in streamed] == [first[0]["function"]]
+
+
 # ------------------------------------------------------------------ one truncation rule
 
 @pytest.mark.parametrize("tool_choice", [
