@@ -8,7 +8,9 @@ Each parser reads the whole text so far: `parse(text, final)` gives the content 
 content and the calls complete in it; streaming diffs successive parses, so a streamed reply's
 chunks concatenate to the non-streamed result. For that, a parse of a longer text never takes
 back what a shorter one gave: its content starts with the shorter one's, its calls too. Text
-that looks like a call but does not parse stays content, as written.
+that looks like a call but does not parse stays content, as written. A parse also says up to
+where the text is settled (`ParsedTools.settled`: the next parse may start there), so a stream
+does not read its earlier calls again at every delta (that was quadratic in the calls).
 
 The text is the reply as decoded, without the EOS / stop token that ended it (`<|call|>`,
 `<|eom_id|>`, ...): in formats whose call ends at EOS, the end of a `final` text ends the call.
@@ -46,6 +48,11 @@ class CallPattern:
 class ParsedTools:
     content: str  # the text that is not a call (so far)
     calls: list[Call]  # complete calls only
+    # Where the text is read for good: parsing `text[settled:]` alone gives the rest of the
+    # content (after its first `settled_content` characters) and no call before it; every
+    # call lies before it. 0: the whole text is read again (formats that need the whole).
+    settled: int = 0
+    settled_content: int = 0
 
 
 class ToolParser(ABC):
@@ -109,27 +116,26 @@ ReadCall = Callable[[str, int, str, bool], "tuple[list[Call] | None, int] | None
 
 def scan(text: str, final: bool, markers: tuple[str, ...], read_call: ReadCall) -> ParsedTools:
     """Content with calls that open at one of `markers`, each read by `read_call`. Content
-    ends before a call still being written, and before a possible marker start."""
-    content, calls, pos = [], [], 0
+    ends before a call still being written, and before a possible marker start. Settled: the
+    text up to that point (a call is read from its marker on, and no marker starts in the
+    content sent), so a stream reads each piece of text about once."""
+    content, calls, pos, settled_content = [], [], 0, 0
     while True:
         start, marker = first_marker(text, pos, markers)
         if start < 0:
             tail = text[pos:]
             content.append(tail if final else tail[:len(tail) - held_back_any(tail, markers)])
             break
-        content.append(text[pos:start])
         found = read_call(text, start, marker, final)
         if found is None:
-            if final:
-                content.append(text[start:])
+            content.append(text[pos:] if final else text[pos:start])
             break
         got, end = found
-        if got is None:
-            content.append(text[start:end])
-        else:
-            calls.extend(got)
-        pos = end
-    return ParsedTools("".join(content), calls)
+        content.append(text[pos:end] if got is None else text[pos:start])
+        calls.extend(got or ())
+        pos, settled_content = end, settled_content + len(content[-1])
+    return ParsedTools("".join(content), calls, pos + len(content[-1]),
+                       settled_content + len(content[-1]))
 
 
 def free_text(text: str, final: bool, markers: Iterable[str]) -> str:
@@ -179,7 +185,10 @@ def arguments_json(value: Any) -> str | None:
 
 def call_of(obj: object, arguments_key: str = "arguments") -> Call | None:
     """A {"name": ..., "arguments" (or `arguments_key`, or "parameters"): {...}} object as a
-    call; None when it is not one."""
+    call, also nested as OpenAI writes it ({"type": "function", "function": {...}}); None when
+    it is not one."""
+    if isinstance(obj, dict) and "name" not in obj and isinstance(obj.get("function"), dict):
+        obj = obj["function"]
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     for key in (arguments_key, "arguments", "parameters"):
@@ -214,20 +223,26 @@ def tool_calls_of(parsed: ParsedTools) -> list[ToolCall]:
 
 @dataclass
 class StreamingToolParser:
-    """One choice's stream: `feed(delta)` -> (new content, new complete calls)."""
+    """One choice's stream: `feed(delta)` -> (new content, new complete calls). Each delta
+    parses the text again from where the last parse settled (`ParsedTools.settled`), so the
+    calls and content already read are not read again at every delta."""
 
     parser: ToolParser
-    text: str = ""
-    content_sent: int = 0
-    calls_sent: int = 0
+    pending: str = ""  # the text after the settled part
+    content_sent: int = 0  # of the content of `pending`
+    calls_sent: int = 0  # of the calls in `pending`
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self.text += delta
-        parsed = self.parser.parse(self.text, final)
+        self.pending += delta
+        parsed = self.parser.parse(self.pending, final)
         content = parsed.content[self.content_sent:]
         self.content_sent = max(self.content_sent, len(parsed.content))
         new = tool_calls_of(ParsedTools("", parsed.calls[self.calls_sent:]))
         self.calls_sent = len(parsed.calls)
+        if parsed.settled:
+            self.pending = self.pending[parsed.settled:]
+            self.content_sent -= parsed.settled_content
+            self.calls_sent = 0
         return content, new
 
 

@@ -8,14 +8,14 @@ markers: Qwen3-Coder's also shows `<tool_call>`, Hermes 3's also writes `"parame
     deepseek_v3  tool▁calls▁begin / tool▁call▁begin  DeepSeek-V3 / R1 / V3.1
     mistral      [TOOL_CALLS]                        Mistral, every tokenizer version
     qwen3_coder  <function=  and  <parameter=        Qwen3-Coder
-    granite      <|tool_call|>                       Granite 3.x
+    granite      <|tool_call|>                       Granite 3.x, Phi-4-mini
     hermes       <tool_call>                         Qwen2.5 / Qwen3 / Hermes / Granite 4
     pythonic     [func_name1(                        Llama 3.2 / 4 pythonic templates
     llama3_json  "parameters":  / <|python_tag|> / <|python_start|>   Llama 3.x / 4
 
 A template that shows none (plain ChatML, or none at all) falls back to the vocabulary: the
 first of <|channel|> + <|constrain|>, <｜tool▁calls▁begin｜>, [TOOL_CALLS], <|tool_call|>,
-<|python_tag|> that is a token; else `hermes`.
+<|python_tag|>, <|python_start|> that is a token; else `hermes`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ VOCAB_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mistral", ("[TOOL_CALLS]",)),
     ("granite", ("<|tool_call|>",)),
     ("llama3_json", ("<|python_tag|>",)),
+    ("llama3_json", ("<|python_start|>",)),  # Llama 4
 )
 
 FALLBACK = "hermes"

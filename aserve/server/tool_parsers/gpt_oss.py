@@ -58,7 +58,10 @@ class GptOssToolParser(ToolParser):
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         content, calls, pos = [], [], 0
+        settled = settled_content = 0  # (each message is read alone: parsing resumes at one)
         while pos < len(text):
+            if pos > settled:
+                settled, settled_content = pos, settled_content + len(content[-1])
             head_end = text.find(MESSAGE, pos, pos + MAX_HEADER + len(MESSAGE))
             if head_end < 0:
                 if len(text) - pos < MAX_HEADER + len(MESSAGE):  # a header may be coming
@@ -82,14 +85,16 @@ class GptOssToolParser(ToolParser):
                 body_end = len(text)
             after = body_end + (len(boundary) if boundary in ENDS else 0)
             body = text[body_start:body_end]
-            if kind == "content":
-                content.append(body)
-            elif kind == "call" and (call := function_call(name, body)) is not None:
+            piece = body if kind == "content" else ""  # (one piece a message: see `settled`)
+            if kind == "call" and (call := function_call(name, body)) is not None:
                 calls.append(call)
-            elif kind != "reasoning":
-                content.append(text[pos:after])
+            elif kind not in ("content", "reasoning"):
+                piece = text[pos:after]
+            content.append(piece)
             pos = after
-        return ParsedTools("".join(content), calls)
+        if pos >= len(text) and pos > settled:
+            settled, settled_content = pos, settled_content + len(content[-1])
+        return ParsedTools("".join(content), calls, settled, settled_content)
 
 
 def message_kind(header: str) -> tuple[str, str]:

@@ -6,9 +6,10 @@
 
 Read leniently, as these models write it: any whitespace around the JSON, keys in either order
 (Hermes 2 Pro writes "arguments" first), `arguments` as a JSON string that holds the object,
-one closing brace too few or too many, a `</tool_call>` inside a JSON string (the call ends at
-the first one outside the strings), and a last call whose `</tool_call>` never came (the reply
-ended at EOS right after a whole object). A call is sent once its `</tool_call>` is written.
+one closing brace too few or too many, several calls in one tag (objects, or an array), a
+`</tool_call>` inside a JSON string (the call ends at the first one outside the strings), and
+a last call whose `</tool_call>` never came (the reply ended at EOS right after a whole
+object). A call is sent once its `</tool_call>` is written.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from aserve.server.tool_parsers.base import (
 
 START, END = "<tool_call>", "</tool_call>"
 _TAG_OR_QUOTE = re.compile(r'</tool_call>|"')
+_SEPARATORS = re.compile(r"[\s,;]*")
 _STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # to a string's closing quote
 
 
@@ -54,8 +56,7 @@ def read_tagged_call(text: str, start: int, marker: str, final: bool):
     if close < 0:
         close = text.find(END, body_start)  # (a string left open: the first tag, as written)
     body = text[body_start:] if close < 0 else text[body_start:close]
-    call = hermes_call(body, closed=close >= 0)
-    return ([call] if call else None), (len(text) if close < 0 else close + len(END))
+    return hermes_calls(body, closed=close >= 0), (len(text) if close < 0 else close + len(END))
 
 
 def closing_tag(text: str, pos: int) -> int:
@@ -71,12 +72,20 @@ def closing_tag(text: str, pos: int) -> int:
     return -1
 
 
-def hermes_call(body: str, closed: bool) -> Call | None:
-    """The call in one tag's body: a JSON object, possibly a few braces over, or (`closed`:
-    not cut off) one short."""
+def hermes_calls(body: str, closed: bool) -> list[Call] | None:
+    """The calls in one tag's body: a JSON object, possibly a few braces over, or (`closed`:
+    not cut off) one short; or several objects, or an array of them, which some models put
+    in one tag."""
     body = body.strip()
     for candidate in (body, body + "}") if closed else (body,):
-        found = json_at(candidate, 0)
-        if found is not None and not candidate[found[1]:].replace("}", "").strip():
-            return call_of(found[0], "arguments")
+        calls, pos = [], 0
+        while (found := json_at(candidate, pos)) is not None:
+            value, pos = found
+            got = [call_of(v, "arguments") for v in (value if isinstance(value, list) else [value])]
+            if not got or None in got:
+                return None
+            calls += got
+            pos = _SEPARATORS.match(candidate, pos).end()
+            if not candidate[pos:].replace("}", "").strip():
+                return calls
     return None

@@ -5,7 +5,9 @@ function name, "parameters": dictionary of argument name and its value}`):
 
 The calls are the whole reply, objects separated by ";" (or whitespace), or everything after a
 `<|python_tag|>` (Llama 3) or `<|python_start|>` (Llama 4, which may close it with
-`<|python_end|>`); text before the tag is content. A reply that opens with `{"` may be calls, so
+`<|python_end|>`); text before the tag is content, and so is text between Llama 4's tags
+when the calls follow them (as its template writes an assistant turn: `<|python_start|>` +
+content + `<|python_end|>` + calls). A reply that opens with `{"` may be calls, so
 it is held back until the reply ends (the calls come then, or it all turns out content); any
 other reply streams as content.
 
@@ -57,8 +59,12 @@ class Llama3JsonToolParser(ToolParser):
             return ParsedTools(free_text(text, final, TAGS), [])
         if not final:
             return ParsedTools(head, [])
-        calls = json_calls(body)
-        return ParsedTools(head, calls) if calls else ParsedTools(text, [])
+        if calls := json_calls(body):
+            return ParsedTools(head, calls)
+        inner, closed, after = body.partition(END_TAG)  # Llama 4's template: text, then calls
+        if tag == TAGS[1] and closed and (calls := json_calls(after)):
+            return ParsedTools(head + inner, calls)
+        return ParsedTools(text, [])
 
 
 def json_calls(body: str) -> list[Call] | None:

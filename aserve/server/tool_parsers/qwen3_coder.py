@@ -36,7 +36,7 @@ from aserve.server.tool_parsers.base import (
     ToolParser,
     scan,
 )
-from aserve.server.tool_parsers.hermes import hermes_call
+from aserve.server.tool_parsers.hermes import hermes_calls
 
 CALL, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -60,9 +60,8 @@ class Qwen3CoderToolParser(ToolParser):
         body = text[start:end]
         if marker == CALL:
             body = body[len(CALL):].removesuffix(CALL_END).strip()
-            if body.startswith("{"):  # the model fell back on Qwen's JSON calls
-                call = hermes_call(body, closed=close >= 0)
-                return ([call] if call else None), end
+            if body.startswith(("{", "[")):  # the model fell back on Qwen's JSON calls
+                return hermes_calls(body, closed=close >= 0), end
         call = self._function(body)
         return ([call] if call else None), end
 
