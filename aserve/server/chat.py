@@ -68,10 +68,18 @@ async def render_chat(request: Request, engine, body: ChatCompletionRequest | ob
     template = own or server_state(request).chat_template
 
     def render() -> str:
-        return engine.tokenizer.apply_chat_template(
-            body.template_messages(), add_generation_prompt=body.add_generation_prompt,
-            chat_template=template, tools=getattr(body, "template_tools", lambda: None)(),
-            **kwargs)
+        def attempt(arguments_as_text: bool) -> str:
+            return engine.tokenizer.apply_chat_template(
+                body.template_messages(arguments_as_text),
+                add_generation_prompt=body.add_generation_prompt, chat_template=template,
+                tools=getattr(body, "template_tools", lambda: None)(), **kwargs)
+
+        try:
+            return attempt(False)
+        except TypeError:  # a template that joins tool-call arguments as text, not objects
+            if not body.has_tool_history:
+                raise
+            return attempt(True)
 
     try:
         return await asyncio.to_thread(render) if own else render()

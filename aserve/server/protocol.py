@@ -287,14 +287,15 @@ class ChatMessage(_Request):
             return self.content or ""
         return "\n".join(part.text for part in self.content)
 
-    def to_template(self) -> dict[str, Any]:
+    def to_template(self, arguments_as_text: bool = False) -> dict[str, Any]:
         """This message as a chat template sees it: role, content (a string), name, tool calls
-        (arguments as objects) and tool_call_id where given."""
+        (arguments as objects, or as the JSON text they came as) and tool_call_id where
+        given."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = template_tool_calls(self.tool_calls)
+            message["tool_calls"] = template_tool_calls(self.tool_calls, arguments_as_text)
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -345,9 +346,14 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
             kwargs["structured_outputs"] = tool_constraint
         return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (content flattened to a string)."""
-        return [m.to_template() for m in self.messages]
+    def template_messages(self, arguments_as_text: bool = False) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (content flattened to a string; tool
+        calls' arguments as objects, or as text: `ChatMessage.to_template`)."""
+        return [m.to_template(arguments_as_text) for m in self.messages]
+
+    @property
+    def has_tool_history(self) -> bool:
+        return any(m.tool_calls for m in self.messages)
 
 
 class TokenizeRequest(_Request):
@@ -375,8 +381,12 @@ class TokenizeRequest(_Request):
             self.add_special_tokens = self.prompt is not None
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.to_template() for m in self.messages or []]
+    def template_messages(self, arguments_as_text: bool = False) -> list[dict[str, str]]:
+        return [m.to_template(arguments_as_text) for m in self.messages or []]
+
+    @property
+    def has_tool_history(self) -> bool:
+        return any(m.tool_calls for m in self.messages or [])
 
 
 class DetokenizeRequest(_Request):

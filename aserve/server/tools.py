@@ -137,14 +137,18 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object"}
 
 
-def template_tool_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
+def template_tool_calls(calls: list[ToolCall], arguments_as_text: bool = False
+                        ) -> list[dict[str, Any]]:
     """A history message's tool calls for a chat template: arguments as an object (the shape
-    templates index into), as vLLM hands them over."""
+    most templates index into, as vLLM hands them over), or `arguments_as_text`, the JSON text
+    they came as (for templates that join them into the prompt as a string: DeepSeek-V3.1's
+    official one). Arguments that are not JSON stay text either way."""
     out = []
     for call in calls:
         try:
-            arguments: Any = json.loads(call.function.arguments)
-        except json.JSONDecodeError:
+            arguments: Any = (call.function.arguments if arguments_as_text
+                              else json.loads(call.function.arguments))
+        except (json.JSONDecodeError, RecursionError):
             arguments = call.function.arguments
         out.append({"id": call.id, "type": "function",
                     "function": {"name": call.function.name, "arguments": arguments}})

@@ -457,3 +457,28 @@ def test_a_parser_that_does_not_exist_is_refused_when_the_app_is_built(llama_dir
 
     with pytest.raises(ValueError, match="tool call parser 'nope' is unknown"):
         build_app(EngineArgs(model=str(llama_dir)), ServerConfig(tool_call_parser="nope"))
+
+
+def test_a_template_that_joins_arguments_as_text_gets_them_as_text(llama_dir):
+    """DeepSeek-V3.1's official template writes `... + tool['function']['arguments'] + ...`:
+    objects (what other templates index into) fail there, so it is rendered again with the
+    arguments as the JSON text they came as."""
+    from pathlib import Path
+
+    template = (Path(__file__).parents[1] / "data" / "chat_templates" /
+                "deepseek-v3.1.jinja").read_text()
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    config = ServerConfig(served_model_name="tiny", chat_template=template)
+    with serving(tiny_app(llama_dir, config, max_model_len=512)) as base:
+        tokens = httpx.post(f"{base}/tokenize", timeout=60,
+                            json={"model": "tiny", "messages": history}).json()["tokens"]
+        text = httpx.post(f"{base}/detokenize", timeout=60,
+                          json={"model": "tiny", "tokens": tokens}).json()["prompt"]
+        assert 'get_weather<｜tool▁sep｜>{"city": "Oslo", "days": 2}' in text
+        out = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": history, "tools": TOOLS, "max_tokens": 3})
+        assert out.status_code == 200, out.text

@@ -7,11 +7,12 @@
     pythonic     [get_weather(city="Paris"), ...]                          Llama 3.2 / 4
     mistral      [TOOL_CALLS][{...}, ...]  or  [TOOL_CALLS]NAME[ARGS]{...}  Mistral
     gpt_oss      harmony: <|channel|>commentary to=functions.NAME ...<|message|>{...}  gpt-oss
-                 (also registered as `openai`)
     deepseek_v3  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>...<｜tool▁calls▁end｜>  DeepSeek
     granite      <|tool_call|>[{"name": ..., "arguments": {...}}]          Granite 3.x
 
 `parser_for_template` (`detect.py`) picks one from the model's chat template and vocabulary.
+vLLM's other names are accepted too: `openai` (gpt_oss), `qwen3_xml` (qwen3_coder),
+`llama4_json` (llama3_json), `llama4_pythonic` (pythonic), `deepseek_v31` (deepseek_v3).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (
         HermesToolParser, Qwen3CoderToolParser, Llama3JsonToolParser, PythonicToolParser,
         MistralToolParser, GptOssToolParser, DeepSeekV3ToolParser, GraniteToolParser)}
-TOOL_PARSERS["openai"] = GptOssToolParser  # vLLM's name for gpt-oss's
+# vLLM's other names for these formats, so that its command lines work as they are
+TOOL_PARSERS.update({
+    "openai": GptOssToolParser, "qwen3_xml": Qwen3CoderToolParser,
+    "llama4_json": Llama3JsonToolParser, "llama4_pythonic": PythonicToolParser,
+    "deepseek_v31": DeepSeekV3ToolParser})
 
 
 def get_tool_parser(name: str) -> ToolParser:
