@@ -109,8 +109,9 @@ class ToolFields(StrictModel):
         mode = self.tool_mode
         if mode == "auto" and patterns:
             options = {"x-guidance": {"whitespace_flexible": any_whitespace}}
-            structures = [{"begin": p.begin, "schema": {**p.schema, **options}, "end": p.end}
-                          for p in patterns]
+            structures = [{"begin": p.begin, "end": p.end, **(
+                {"grammar": p.grammar} if p.grammar is not None
+                else {"schema": {**p.schema, **options}})} for p in patterns]
             return StructuredOutputsParams(structural_tag={
                 "structures": structures, "triggers": sorted({p.trigger for p in patterns})})
         if mode == "named":

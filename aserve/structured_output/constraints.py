@@ -94,6 +94,7 @@ def _structural_tag(value: str | dict[str, Any], tokenizer: Any = None) -> str:
         piece: TEXT <[other specials]>       ... a special token that is no trigger, or
              | tag_0 | tag_1 | ...           ... a segment
         tag_i: head_i "begin[len(trigger):]" %json {schema} "end"
+               (a structure with a Lark `grammar` instead of a `schema`: @that grammar)
         head_i: TEXT <[trigger id]> | head_i_text
         head_i_text[lazy]: TEXT "trigger"
 
@@ -106,15 +107,19 @@ def _structural_tag(value: str | dict[str, Any], tokenizer: Any = None) -> str:
     tag = json.loads(value) if isinstance(value, str) else value
     if not isinstance(tag, dict) or not tag.get("structures") or not tag.get("triggers"):
         raise ValueError("structured_outputs.structural_tag needs structures and triggers.")
-    rules, trigger_ids = [], set()
+    rules, trigger_ids, side = [], set(), []
     for i, item in enumerate(tag["structures"]):
         trigger = next((t for t in tag["triggers"] if item["begin"].startswith(t)), None)
         if trigger is None:
             raise ValueError(f"structured_outputs.structural_tag: no trigger starts "
                              f"{item['begin']!r}.")
-        schema = json.dumps(item.get("schema") or {}, ensure_ascii=False)
+        if isinstance(item.get("grammar"), str):  # a Lark grammar of its own (qwen3_coder's)
+            body = f"@tag_{i}_grammar"
+            side.append({"name": f"tag_{i}_grammar", "lark_grammar": item["grammar"]})
+        else:
+            body = "%json " + json.dumps(item.get("schema") or {}, ensure_ascii=False)
         rules.append(f"tag_{i}: head_{i} {_lark_text(item['begin'][len(trigger):], tokenizer)} "
-                     f"%json {schema} {_lark_text(item['end'], tokenizer)}")
+                     f"{body} {_lark_text(item['end'], tokenizer)}")
         heads = [f"head_{i}_text"]
         rules.append(f"head_{i}_text[lazy]: TEXT {json.dumps(trigger)}")
         if (token := _special_token(trigger, tokenizer)) is not None:
@@ -124,8 +129,11 @@ def _structural_tag(value: str | dict[str, Any], tokenizer: Any = None) -> str:
     pieces = [f"tag_{i}" for i in range(len(tag["structures"]))]
     if other := _id_ranges(_special_ids(tokenizer) - trigger_ids):
         pieces.insert(0, f"TEXT <[{other}]>")
-    return "\n".join(["%llguidance {}", "start: piece* TEXT", f"piece: {' | '.join(pieces)}",
+    lark = "\n".join(["%llguidance {}", "start: piece* TEXT", f"piece: {' | '.join(pieces)}",
                       *rules, r"TEXT: /(.|\n)*/", ""])
+    if not side:
+        return lark
+    return json.dumps({"grammars": [{"name": "structural_tag", "lark_grammar": lark}, *side]})
 
 
 def _lark_text(text: str, tokenizer: Any) -> str:

@@ -292,7 +292,21 @@ def auto_request(url: str, **extra) -> dict:
     return body
 
 
-def test_auto_calls_are_constrained_from_the_trigger_on(tool_url):
+@pytest.fixture(scope="module")
+def coder_url(tmp_path_factory):
+    """The same model read as Qwen3-Coder's XML calls (`--tool-call-parser qwen3_coder`),
+    which are held by a Lark grammar rather than a JSON schema."""
+    from helpers.hf_models import make_tool_model
+
+    model = make_tool_model(tmp_path_factory.mktemp("tool_model") / "qwen2-tools")
+    config = ServerConfig(served_model_name="tiny", tool_call_parser="qwen3_coder")
+    with serving(tiny_app(model, config, max_model_len=1024)) as base:
+        yield base
+
+
+@pytest.mark.parametrize("server", ["tool_url", "coder_url"], ids=["hermes", "qwen3_coder"])
+def test_auto_calls_are_constrained_from_the_trigger_on(server, request):
+    tool_url = request.getfixturevalue(server)
     response = httpx.post(f"{tool_url}/v1/chat/completions", timeout=120,
                           json=auto_request(tool_url, n=8, seed=1))
     assert response.status_code == 200, response.text
@@ -309,7 +323,9 @@ def test_auto_calls_are_constrained_from_the_trigger_on(tool_url):
     assert num_calls >= 8
 
 
-def test_constrained_auto_calls_stream_as_they_come_whole(tool_url):
+@pytest.mark.parametrize("server", ["tool_url", "coder_url"], ids=["hermes", "qwen3_coder"])
+def test_constrained_auto_calls_stream_as_they_come_whole(server, request):
+    tool_url = request.getfixturevalue(server)
     body = auto_request(tool_url, seed=7)
     whole = httpx.post(f"{tool_url}/v1/chat/completions", json=body, timeout=120).json()
     message = whole["choices"][0]["message"]

@@ -753,8 +753,8 @@ def test_text_the_template_writes_before_tool_calls_reads_back_as_content(name):
 PATTERN_ARGUMENTS = {
     "get_weather": {"city": "S\u00e3o Paulo", "days": 2, "unit": "celsius"},
     "get_time": {},
-    "search": {"query": "a \"quoted\" {brace} </tool_call> [TOOL_CALLS]", "limit": 1,
-               "filters": {"deep": [{"x": None}, [1.5, -2]]}, "tags": ["\u00e9", ""]},
+    "search": {"query": "a \"quoted\" {brace} </tool_call> [TOOL_CALLS]",
+               "filters": {"deep": [{"x": None}, [1.5, -2]]}, "limit": 1, "tags": ["\u00e9", ""]},
     "set_flags": {"enabled": False, "ratio": 0.1, "note": None},
     "run_code": {"code": "print('}\\n')\n", "timeout": 2},
 }
@@ -766,10 +766,22 @@ BEFORE = {  # free text a reply may hold before a constrained call
 AFTER = {"deepseek_v3": E}
 
 
-def pattern_text(pattern, arguments, compact: bool) -> str:
+def pattern_text(pattern, arguments, compact: bool, ensure_ascii: bool = True,
+                 cut_eos: bool = True) -> str:
+    """What a constrained call writes (less the EOS that ends it, as the engine cuts it)."""
     separators = (",", ":") if compact else None
-    text = pattern.begin + json.dumps(arguments, separators=separators) + pattern.end
-    for eos in EOS:
+
+    def as_json(value) -> str:
+        return json.dumps(value, separators=separators, ensure_ascii=ensure_ascii)
+
+    if pattern.grammar is None:
+        written = as_json(arguments)
+    else:  # qwen3_coder's XML parameters: text as it is, anything else as JSON
+        written = "".join(
+            f"<parameter={key}>\n{value if isinstance(value, str) else as_json(value)}"
+            "\n</parameter>\n" for key, value in arguments.items())
+    text = pattern.begin + written + pattern.end
+    for eos in EOS if cut_eos else ():
         text = text.removesuffix(eos)
     return text
 
@@ -779,8 +791,9 @@ PATTERN_PARSERS = sorted(name for name, cls in TOOL_PARSERS.items()
 
 
 def test_which_parsers_have_call_patterns():
-    assert set(PATTERN_PARSERS) == {"deepseek_v3", "gpt_oss", "granite", "hermes",
-                                    "llama3_json", "mistral", "openai"}
+    assert set(PATTERN_PARSERS) == {"deepseek_v3", "deepseek_v31", "gpt_oss", "granite",
+                                    "hermes", "llama3_json", "llama4_json", "mistral", "openai",
+                                    "qwen3_coder", "qwen3_xml"}
 
 
 @pytest.mark.parametrize("name", PATTERN_PARSERS)
@@ -895,3 +908,51 @@ def test_hostile_replies_stream_without_exceptions(name):
     whole = parser.parse(text, final=True)
     content, calls = stream(parser, text, list(range(100, len(text), 100)))
     assert (content, calls) == (whole.content, whole.calls)
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    """The demo model's tokenizer, as llguidance reads it: every marker is text in it."""
+    import llguidance
+    import tokenizers
+
+    from aserve.assets import DEMO_MODEL_DIR
+
+    hf = tokenizers.Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json"))
+    return hf, llguidance.LLTokenizer(hf.to_str(), n_vocab=hf.get_vocab_size(), eos_token=[2])
+
+
+@pytest.mark.parametrize("name", [n for n in PATTERN_PARSERS if n in TOOL_PARSERS and
+                                  TOOL_PARSERS[n].name == n])
+def test_the_auto_grammar_takes_exactly_the_calls_its_patterns_write(name, demo_tokenizer):
+    """What a constrained call writes is what the grammar allows: each pattern's text (after
+    free text) is accepted token by token, and the grammar is back in free text after it;
+    the same call with a name no tool has, or a required argument left out, is refused.
+    (llguidance holds an object's properties to its schema's order and takes non-ASCII
+    characters as themselves, not as \\u escapes: the arguments are written so.)"""
+    import llguidance
+
+    from aserve.server.protocol import ChatCompletionRequest
+    from aserve.structured_output.constraints import compile_job, constraint_job
+
+    hf, tokenizer = demo_tokenizer
+    parser = get_tool_parser(name)
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                 tools=TOOLS)
+    spec = body.tool_constraint(parser.call_patterns(body.template_tools()))
+    compiled = compile_job(constraint_job(spec), tokenizer, llguidance.LLParserLimits())
+    assert "grammar" in compiled, compiled
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, compiled["grammar"])
+        return all(matcher.consume_token(t) for t in hf.encode(text).ids)
+
+    for pattern in parser.call_patterns(TOOLS):
+        tool_name = next(n for n in PATTERN_ARGUMENTS if n in pattern.begin)
+        written = pattern_text(pattern, PATTERN_ARGUMENTS[tool_name], compact=True,
+                               ensure_ascii=False, cut_eos=False)
+        assert accepts("Sure. " + written + " Done."), written
+        assert not accepts("Sure. " + written.replace(tool_name, "no_such_tool", 1))
+    weather = next(p for p in parser.call_patterns(TOOLS) if "get_weather" in p.begin)
+    assert not accepts(pattern_text(weather, {"days": 2}, compact=True,  # city is required
+                                    cut_eos=False))

@@ -34,14 +34,16 @@ Call = tuple[str, str]  # (name, arguments JSON)
 @dataclass(frozen=True)
 class CallPattern:
     """How the model writes one call to one tool: `begin` (which starts with the format's
-    `trigger`), then the arguments as JSON of `schema`, then `end`. From the trigger on, a
-    constrained auto call is held to `begin` + schema JSON + `end` (llguidance's structural
-    tags); before it and after `end` the text is free."""
+    `trigger`), then the arguments as JSON of `schema` (or, for a format whose arguments are
+    not JSON, as the Lark `grammar` given instead), then `end`. From the trigger on, a
+    constrained auto call is held to `begin` + arguments + `end` (a structural tag,
+    `structured_output/constraints.py`); before it and after `end` the text is free."""
 
     trigger: str
     begin: str
-    schema: dict[str, Any]
+    schema: dict[str, Any] | None
     end: str
+    grammar: str | None = None
 
 
 @dataclass

@@ -19,8 +19,16 @@ where it parses. Also read: a `<function=...>` with no `<tool_call>` around it, 
 `</parameter>` left out (the value then ends at the next parameter or `</function>`), a last
 `</tool_call>` left out (the reply ended at EOS after `</function>`), and Qwen's JSON call
 (`hermes`) inside `<tool_call>`. A call is sent once its `</tool_call>` (bare: `</function>`)
-is written. No `call_patterns`: the values are not JSON, so a call cannot be held to a JSON
-schema.
+is written.
+
+`call_patterns`: trigger `<tool_call>`, each call `<tool_call>\n<function=NAME>\n` + its
+parameters + `</function>\n</tool_call>`, held by a Lark grammar (the values are not JSON):
+the tool's parameters in the order its schema lists them, the required ones always, the
+others at most once, each `<parameter=KEY>\n` + value + `\n</parameter>\n`; a value the
+parser keeps as text (a string, or a type that allows one) is any text up to the first
+`</parameter>` (a string enum: one of its values; other string keywords, such as maxLength,
+are not held), any other is JSON of the parameter's schema. A tool without `properties` takes
+any parameter names, values as text.
 """
 
 from __future__ import annotations
@@ -32,9 +40,12 @@ from typing import Any
 
 from aserve.server.tool_parsers.base import (
     Call,
+    CallPattern,
     ParsedTools,
     ToolParser,
     scan,
+    tool_name,
+    tool_parameters,
 )
 from aserve.server.tool_parsers.hermes import hermes_calls
 
@@ -42,11 +53,17 @@ CALL, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 _NAME = re.compile(r"[^\s<>=]+")
+_CALL_CLOSE = re.compile(r"</function>\s*</tool_call>")
 
 
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
     skip_special_tokens = False
+
+    def call_patterns(self, tools):
+        return [CallPattern(CALL, f"{CALL}\n{FUNCTION}{tool_name(t)}>\n", None,
+                            f"{FUNCTION_END}\n{CALL_END}", grammar=parameters_grammar(
+                                tool_parameters(t))) for t in tools]
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         return scan(text, final, (CALL, FUNCTION), self._read)
@@ -54,6 +71,13 @@ class Qwen3CoderToolParser(ToolParser):
     def _read(self, text: str, start: int, marker: str, final: bool):
         end_marker = CALL_END if marker == CALL else FUNCTION_END
         close = text.find(end_marker, start + len(marker))
+        if marker == CALL:
+            rest = text[start + len(CALL):start + len(CALL) + 64].lstrip()
+            if not final and FUNCTION.startswith(rest):
+                return None  # (not yet known: XML or JSON)
+            if rest.startswith(FUNCTION):  # its end: `</function>` then `</tool_call>` (a
+                found = _CALL_CLOSE.search(text, start)  # value may hold either tag alone)
+                close = found.end() - len(CALL_END) if found else -1 if not final else close
         if close < 0 and not final:
             return None
         end = len(text) if close < 0 else close + len(end_marker)
@@ -184,3 +208,33 @@ def _json_or_literal(text: str, types: set[str]) -> Any:
             except (TypeError, ValueError):
                 return _NOTHING
     return _NOTHING
+
+
+def parameters_grammar(schema: dict[str, Any]) -> str:
+    """The Lark grammar of a call's parameters (module docstring) for a tool's `schema`."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        return ('start: param*\nparam[lazy]: "<parameter=" /[^\\s<>=]+/ ">\\n" /(.|\\n)*/ '
+                '"</parameter>\\n"\n')
+    definitions = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    required = set(schema.get("required") or ())
+    rules, sequence = [], []
+    for key, value in properties.items():
+        if not _NAME.fullmatch(key):
+            continue  # a name this format cannot write
+        head = json.dumps(f"{PARAMETER}{key}>\n")
+        i = len(rules)
+        sequence.append(f"p{i}" if key in required else f"p{i}?")
+        if "string" in schema_types(value) or not isinstance(value, dict):
+            choices = value.get("enum") if isinstance(value, dict) else None
+            if choices and all(isinstance(c, str) for c in choices):
+                options = " | ".join(json.dumps(c) for c in choices)
+                rules.append(f'p{i}: {head} ({options}) "\\n</parameter>\\n"')
+            else:
+                rules.append(f'p{i}[lazy]: {head} /(.|\\n)*/ "</parameter>\\n"')
+        else:
+            typed = json.dumps({**value, **definitions}, ensure_ascii=False)
+            rules.append(f'p{i}: {head} %json {typed} "\\n</parameter>\\n"')
+    if not rules:
+        return 'start: ""\n'
+    return "\n".join([f"start: {' '.join(sequence)}", *rules, ""])
