@@ -15,6 +15,7 @@ from aserve.config import (
     SchedulerConfig,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
+from aserve.quantization.gguf_file import GGUFError, gguf_model_dir, is_gguf  # noqa: F401 (CLI)
 
 
 class KVTransferConfigError(ValueError):
@@ -80,6 +81,9 @@ class EngineArgs:
                                     if "MASTER_PORT" in os.environ else None)
 
     def __post_init__(self) -> None:
+        if is_gguf(self.model):  # served from a directory of its metadata and a link to it
+            self.served_model_name = self.served_model_name or self.model
+            self.model = str(gguf_model_dir(self.model))
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1.")
         self._check_sequence_parallel()

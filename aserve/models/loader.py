@@ -5,7 +5,8 @@ prefixes, e.g. a multimodal checkpoint's text tower; its packed-modules table re
 gate/up).
 
 Reads only local files (no hub downloads). Checkpoints: `model.safetensors`, the shards named
-by `model.safetensors.index.json`, or every `*.safetensors` in the directory.
+by `model.safetensors.index.json`, or every `*.safetensors` in the directory; or the GGUF file a
+GGUF model's directory links to (`gguf_checkpoint.py`), dequantized to the model's dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from aserve.layers.linear import load_into
 from aserve.layers.moe import FusedMoE, expert_target
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.causal_lm import CausalLM
+from aserve.models.gguf_checkpoint import GGUFCheckpoint
 from aserve.models.registry import get_model_class
+from aserve.quantization.gguf_file import LINK_NAME as GGUF_LINK
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
+    gguf = model_dir / GGUF_LINK
+    if gguf.exists():
+        return [gguf]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map", {})
@@ -182,7 +188,7 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_checkpoint(path) as f:
             for stored in f.keys():
                 name = _renamed(stored, prefixes)
                 if name is None:
@@ -213,6 +219,14 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
     missing = _missing(model, packed, loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")
+
+
+def open_checkpoint(path: Path):
+    """A checkpoint file's tensors: safetensors, or a GGUF (`GGUFCheckpoint`: HF's names,
+    dequantized)."""
+    if path.suffix == ".gguf":
+        return GGUFCheckpoint(path)
+    return safe_open(str(path), framework="pt", device="cpu")
 
 
 def _load_expert(param: nn.Parameter, f, stored: str, target: tuple[str, str, int | None],

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from aserve.engine.arg_utils import EngineArgs, KVTransferConfigError
+from aserve.engine.arg_utils import EngineArgs, GGUFError, KVTransferConfigError
 from aserve.sampling_params import SamplingParams
 from aserve.server.connections import add_connection_args, connection_limits_from, raise_fd_limit
 from aserve.server.reasoning_parsers import REASONING_PARSERS
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt:
             return generate_offline(engine_args, ns)
         return serve(engine_args, ns)
-    except KVTransferConfigError as e:  # a startup error of the server, as vLLM's: exit 1
+    except (KVTransferConfigError, GGUFError) as e:  # a startup error of the server: exit 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (UsageError, ValueError, FileNotFoundError) as e:

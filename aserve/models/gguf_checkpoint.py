@@ -1,0 +1,83 @@
+"""A GGUF file's tensors as a checkpoint (`loader.load_weights` reads it like safetensors):
+llama.cpp's tensor names mapped back to HF's, llama's Q / K rows un-permuted (llama.cpp stores
+each head's rotary halves interleaved), every tensor dequantized in torch
+(`aserve/quantization/gguf_quants.py`). The file's header is `quantization.gguf_file`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from aserve.quantization.gguf_file import GGUFMetadata
+from aserve.quantization.gguf_quants import dequantize
+
+LAYER_TENSORS = {  # llama.cpp's name under blk.N. -> HF's under model.layers.N.
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+               "output": "lm_head"}
+
+
+class GGUFCheckpoint:
+    """A GGUF file's tensors as `loader.load_weights` reads a checkpoint: `keys()` (HF names),
+    `get_tensor(name)` (float32, HF's layout), `get_slice(name)`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.meta = GGUFMetadata(path)
+        arch = self.meta.arch
+        heads = int(self.meta.arch_get("attention.head_count"))
+        self.num_heads = {"q": heads,
+                          "k": int(self.meta.arch_get("attention.head_count_kv", heads))}
+        self.permuted = arch == "llama"  # llama.cpp permutes llama's Q / K rows, not qwen's
+        self.names = {}
+        for name in self.meta.tensors:
+            hf = hf_name(name)
+            if hf is None:
+                raise ValueError(f"{self.meta.path}: tensor {name!r} is not one aserve knows "
+                                 f"for architecture {arch!r}.")
+            self.names[hf] = name
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def keys(self) -> list[str]:
+        return list(self.names)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self.meta.tensors[self.names[name]]
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists innermost first
+        raw = torch.from_numpy(tensor.data.reshape(-1).view("uint8").copy())
+        value = dequantize(raw, tensor.tensor_type, shape, name=tensor.name)
+        if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = unpermute_rope_rows(value, self.num_heads[name.split(".")[-2][0]])
+        return value
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
+
+
+def hf_name(name: str) -> str | None:
+    """HF's name of a llama.cpp tensor; None for one not known."""
+    base, _, kind = name.rpartition(".")
+    if base in TOP_TENSORS:
+        return f"{TOP_TENSORS[base]}.{kind}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    return None
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """HF's row order of a llama Q / K weight that llama.cpp stored with each head's rotary
+    halves interleaved (`convert_hf_to_gguf.py`'s permute, undone)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))

@@ -1,0 +1,195 @@
+"""GGUF files (llama.cpp's format) as aserve models: `--model file.gguf`, or a directory
+holding one GGUF and no config.json. Torch-free (the engine's arguments call it).
+
+    gguf_model_dir(path)   a directory the rest of aserve reads as an HF model directory:
+                           config.json, generation_config.json, tokenizer.json and
+                           tokenizer_config.json built from the file's metadata
+                           (`gguf_tokenizer.py`), and a link to the file (`model.gguf`), in
+                           aserve's cache (`ASERVE_CACHE`, default ~/.cache/aserve/gguf), keyed
+                           by the file's path, size and mtime
+    GGUFMetadata(path)     the file's header, checked (architecture, quant types)
+
+Its tensors are read by `aserve/models/gguf_checkpoint.py` (HF's names, dequantized in torch by
+`gguf_quants.py`).
+
+The file is parsed with the `gguf` package (llama.cpp's own). Served: the architectures `llama`
+(Llama, Mistral, SmolLM), `qwen2` and `qwen3`; the tokenizers `gpt2` (byte-level BPE, with
+llama.cpp's pre-tokenizer names) and `llama` (SentencePiece BPE with byte fallback). Anything
+else (an architecture, a pre-tokenizer, a quant type, a truncated or corrupt file) is one
+ValueError naming what and where, before a weight is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+LINK_NAME = "model.gguf"
+
+
+def is_gguf(model: str | Path) -> bool:
+    """Whether `model` names a GGUF file, or a directory holding one and no config.json."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.suffix == ".gguf" or _has_magic(path)
+    return (path.is_dir() and not (path / "config.json").exists()
+            and any(path.glob("*.gguf")))
+
+
+def _has_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def gguf_file(model: str | Path) -> Path:
+    path = Path(model).expanduser().resolve()
+    if path.is_file():
+        return path
+    files = sorted(path.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(f"{path} holds {len(files)} GGUF files; name the one to serve "
+                         f"({', '.join(f.name for f in files[:4])}).")
+    return files[0]
+
+
+class GGUFError(ValueError):
+    """A GGUF file aserve cannot serve (the CLI's exit 1: a bad model, not a bad command)."""
+
+
+def gguf_model_dir(model: str | Path) -> Path:
+    """The HF-shaped directory of a GGUF model (module docstring), made on first use;
+    `GGUFError` naming what and where for one that cannot be served."""
+    try:
+        return _gguf_model_dir(model)
+    except GGUFError:
+        raise
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
+
+
+def _gguf_model_dir(model: str | Path) -> Path:
+    path = gguf_file(model)
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    cache = Path(os.environ.get("ASERVE_CACHE", "~/.cache/aserve")).expanduser()
+    out = cache / "gguf" / key[:24]
+    if (out / "config.json").is_file():
+        return out
+    reader = GGUFMetadata(path)
+    staging = out.with_name(out.name + f".{os.getpid()}.tmp")
+    staging.mkdir(parents=True, exist_ok=True)
+    tokenizer, tokenizer_config = reader.tokenizer()
+    tokenizer.save(str(staging / "tokenizer.json"))
+    files = {"config.json": reader.config(), "tokenizer_config.json": tokenizer_config,
+             "generation_config.json": reader.generation_config()}
+    for name, data in files.items():
+        (staging / name).write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    (staging / LINK_NAME).symlink_to(path)
+    try:
+        staging.rename(out)
+    except OSError:  # another process made it first
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+class GGUFMetadata:
+    """A GGUF file's header: its metadata and tensor table, checked."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # noqa: BLE001 - numpy / struct errors of a bad file
+            raise ValueError(f"{self.path} is not a readable GGUF file (truncated or corrupt?): "
+                             f"{type(e).__name__}: {e}") from None
+        self.arch = self.get("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{self.path}: GGUF architecture {self.arch!r} is not served "
+                             f"(served: {', '.join(sorted(ARCHITECTURES))}).")
+        from aserve.quantization.gguf_quants import check_supported  # (torch: a GGUF's load)
+
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        for tensor in self.reader.tensors:
+            check_supported(tensor.tensor_type, f"{tensor.name} in {self.path.name}")
+        if "rope_freqs.weight" in self.tensors:
+            raise ValueError(f"{self.path}: Llama 3 rope frequency factors (rope_freqs.weight) "
+                             "are not supported yet.")
+
+    def get(self, key: str, default: Any = KeyError) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            if default is KeyError:
+                raise ValueError(f"{self.path}: GGUF metadata lacks {key!r}.")
+            return default
+        return field.contents()
+
+    def arch_get(self, key: str, default: Any = KeyError) -> Any:
+        return self.get(f"{self.arch}.{key}", default)
+
+    # ------------------------------------------------------------------------- config
+
+    def config(self) -> dict[str, Any]:
+        """config.json, as HF's for this architecture."""
+        heads = int(self.arch_get("attention.head_count"))
+        hidden = int(self.arch_get("embedding_length"))
+        tokens = self.get("tokenizer.ggml.tokens")
+        embed = self.tensors["token_embd.weight"]
+        config: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.arch]],
+            "model_type": self.arch,
+            "hidden_size": hidden,
+            "intermediate_size": int(self.arch_get("feed_forward_length")),
+            "num_hidden_layers": int(self.arch_get("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.arch_get("attention.head_count_kv", heads)),
+            "head_dim": int(self.arch_get("attention.key_length", hidden // heads)),
+            "max_position_embeddings": int(self.arch_get("context_length")),
+            "rms_norm_eps": float(self.arch_get("attention.layer_norm_rms_epsilon")),
+            "rope_theta": float(self.arch_get("rope.freq_base", 10000.0)),
+            "vocab_size": int(embed.shape[1]) if len(embed.shape) > 1 else len(tokens),
+            "tie_word_embeddings": "output.weight" not in self.tensors,
+            "torch_dtype": "float32" if all(t.tensor_type.name == "F32"
+                                            for t in self.reader.tensors) else "bfloat16",
+            "hidden_act": "silu",
+            "attention_bias": "blk.0.attn_q.bias" in self.tensors,
+            "bos_token_id": self.get("tokenizer.ggml.bos_token_id", None),
+            "eos_token_id": self.get("tokenizer.ggml.eos_token_id", None),
+        }
+        scaling = self.arch_get("rope.scaling.type", None)
+        if scaling not in (None, "none"):
+            if scaling not in ("linear", "yarn"):
+                raise ValueError(f"{self.path}: rope scaling {scaling!r} is not supported.")
+            config["rope_scaling"] = {"rope_type": scaling,
+                                      "factor": float(self.arch_get("rope.scaling.factor"))}
+            original = self.arch_get("rope.scaling.original_context_length", None)
+            if original is not None:
+                config["rope_scaling"]["original_max_position_embeddings"] = int(original)
+        if self.arch_get("attention.sliding_window", None):
+            config["sliding_window"] = int(self.arch_get("attention.sliding_window"))
+        return config
+
+    def generation_config(self) -> dict[str, Any]:
+        out = {k: self.get(f"tokenizer.ggml.{k}", None)
+               for k in ("bos_token_id", "eos_token_id")}
+        return {k: v for k, v in out.items() if v is not None}
+
+    # ---------------------------------------------------------------------- tokenizer
+
+    def tokenizer(self):
+        """(tokenizers.Tokenizer, tokenizer_config.json) of the file's vocabulary."""
+        from aserve.quantization.gguf_tokenizer import build_tokenizer
+
+        return build_tokenizer(self)
+
+    @cached_property
+    def token_list(self) -> list[str]:
+        return list(self.get("tokenizer.ggml.tokens"))

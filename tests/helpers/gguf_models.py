@@ -1,0 +1,190 @@
+"""Tiny GGUF files, written from the tiny HF models of `hf_models.py` the way llama.cpp's
+`convert_hf_to_gguf.py` writes them: llama.cpp's metadata keys and tensor names, the Q/K rows
+of llama / mistral permuted for its rotary layout, Gemma's norm weights stored as 1 + w, 1-D
+tensors in F32 and the 2-D ones in the quant type asked for (`gguf.quants.quantize`; for the
+K-quants it cannot make, random blocks with small scales, `random_blocks`), and the
+tokenizer as a byte-level BPE vocabulary ("gpt2") with its merges and token types.
+
+    write_gguf(hf_dir, path, "Q8_0")
+
+The reference a test compares with is transformers reading the same file
+(`from_pretrained(dir, gguf_file=...)`), which dequantizes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+LAYER_NAMES = {  # HF module (under model.layers.N.) -> llama.cpp tensor (under blk.N.)
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+PLAIN_NORM = {"post_attention_layernorm": "ffn_norm"}  # llama, mistral, qwen
+GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+TOKEN_TYPES = {"normal": 1, "control": 3, "user_defined": 4}
+
+
+def gguf_name(hf_name: str, gemma: bool) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    names = {**LAYER_NAMES, **(GEMMA_NORMS if gemma else PLAIN_NORM)}
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def permute_for_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's row order for llama's Q / K (its rotary pairs are adjacent, HF's halves)."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def write_gguf(hf_dir: str | Path, path: str | Path, qtype: str = "F32") -> Path:
+    import gguf
+
+    hf_dir, path = Path(hf_dir), Path(path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    gemma = arch.startswith("gemma")
+    writer = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
+        writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+    if gemma and config.get("sliding_window"):
+        writer.add_sliding_window(int(config["sliding_window"]))
+    write_tokenizer(writer, hf_dir)
+    qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(0)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for name, value in tensors.items():
+        value = value.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            value = permute_for_rope(value, heads if "q_proj" in name else kv_heads)
+        if gemma and name.endswith("norm.weight"):
+            value = value + 1  # ggml's RMS norm scales by w, Gemma's by 1 + w
+        if value.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name, gemma), value)
+        elif qt == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name(name, gemma), value.astype(np.float16))
+        elif qtype in SCALE_OFFSETS:  # K-quants gguf cannot quantize: random valid blocks
+            writer.add_tensor(gguf_name(name, gemma), random_blocks(value.shape, qt, rng),
+                              raw_dtype=qt)
+        else:
+            data = gguf.quants.quantize(value, qt)
+            writer.add_tensor(gguf_name(name, gemma), data, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Where each K-quant block keeps its float16 super-block scales (d, then dmin where it has
+# one), as llama.cpp's ggml-common.h lays the blocks out; the rest of a block is small ints.
+SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                 "Q6_K": (208,)}
+
+
+def random_blocks(shape: tuple[int, ...], qt, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a K-quant whose weights stay small: random bytes, with every
+    super-block scale set to a small float16 (`gguf` quantizes no K-quant itself)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[qt.name]:
+        scale = rng.uniform(2e-4, 6e-4, size=len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // block * size)
+
+
+def write_tokenizer(writer, hf_dir: Path) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    kinds = {}
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+        kinds[added["id"]] = "control" if added["special"] else "user_defined"
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    tokens = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([TOKEN_TYPES[kinds.get(i, "normal")] for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                     ("pad_token", writer.add_pad_token_id)):
+        if tok_config.get(key):
+            add(vocab[tok_config[key]])
+    writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+
+
+def unpermute_for_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def hf_reference(hf_dir: str | Path, gguf_path: str | Path):
+    """The HF transformers model of `hf_dir` (float32) holding the GGUF file's weights as
+    llama.cpp's own package dequantizes them (`gguf.quants.dequantize`): what a float
+    reference path must match token for token."""
+    import gguf
+    import torch
+    import transformers
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = ARCHS[config["architectures"][0]]
+    gemma = arch.startswith("gemma")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    state = {}
+    for name, param in model.state_dict().items():
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        tensor = tensors[gguf_name(name, gemma)]
+        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(param.shape)
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            value = unpermute_for_rope(value, heads)
+        if gemma and name.endswith("norm.weight"):
+            value = value - 1
+        state[name] = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
+    model.load_state_dict(state, strict=False)
+    return model.eval()

@@ -1,0 +1,164 @@
+"""GGUF files served directly (`aserve/models/gguf_checkpoint.py`), on the float reference
+path: tiny HF models written as GGUF the way llama.cpp's converter writes them
+(`helpers/gguf_models.py`), for each architecture served and each quant type, greedy-equal
+token for token to HF transformers holding the file's weights as llama.cpp's own package
+dequantizes them; the file's tokenizer, chat template and special tokens equal those it was
+made from; a bad file is one clear error naming what and where.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from helpers.gguf_models import hf_reference, write_gguf
+
+from aserve import LLM, SamplingParams
+from aserve.engine.tokenizer import Tokenizer
+from aserve.quantization.gguf_file import gguf_model_dir
+
+PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250], [100, 200, 300]]
+K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # 256-wide rows
+
+
+@pytest.fixture(autouse=True)
+def gguf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASERVE_CACHE", str(tmp_path / "cache"))
+
+
+def greedy_parity(hf_dir, path) -> None:
+    reference = hf_reference(hf_dir, path)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      min_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert list(out.outputs[0].token_ids) == expected.tolist(), path.name
+
+
+CASES = [("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}),
+         ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {})]
+SLOW_CASES = [("llama", q, {}) for q in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")] + [
+    ("llama", q, K_QUANT_MODEL) for q in ("Q2_K", "Q3_K", "Q5_K", "Q6_K")] + [
+    ("qwen2", "Q6_K", K_QUANT_MODEL), ("qwen3", "Q8_0", {}), ("qwen3", "Q4_K", K_QUANT_MODEL)]
+
+
+@pytest.mark.parametrize("arch, qtype, overrides", CASES + [
+    pytest.param(*case, marks=pytest.mark.slow) for case in SLOW_CASES],
+    ids=lambda v: v if isinstance(v, str) else "")
+def test_a_gguf_file_is_greedy_equal_to_hf_on_its_dequantized_weights(
+        model_dir_factory, tmp_path, arch, qtype, overrides):
+    hf_dir = model_dir_factory(arch, **overrides)
+    path = write_gguf(hf_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)
+    greedy_parity(hf_dir, path)
+
+
+def test_the_parity_is_discriminating(model_dir_factory, tmp_path):
+    """Q4_0 changes HF's own greedy output (so the dequantized weights are what is compared),
+    and llama's Q / K rows are stored permuted (so un-permuting them is tested)."""
+    import transformers
+
+    hf_dir = model_dir_factory("llama")
+    path = write_gguf(hf_dir, tmp_path / "q4.gguf", "Q4_0")
+    original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    quantized = hf_reference(hf_dir, path)
+    ids = torch.tensor([PROMPTS[0]])
+    assert not torch.allclose(original(ids).logits, quantized(ids).logits, atol=1e-3)
+    import gguf
+
+    q = next(t for t in gguf.GGUFReader(str(write_gguf(hf_dir, tmp_path / "f32.gguf")))
+             .tensors if t.name == "blk.0.attn_q.weight")
+    stored = torch.from_numpy(q.data.copy())
+    assert not torch.equal(stored, original.model.layers[0].self_attn.q_proj.weight.detach())
+
+
+def test_its_tokenizer_template_and_special_tokens_are_the_models(model_dir_factory, tmp_path):
+    from helpers.hf_models import make_tool_model
+
+    hf_dir = make_tool_model(tmp_path / "tools")  # added tokens, special and not
+    path = write_gguf(hf_dir, tmp_path / "tools.gguf", "Q8_0")
+    ours, original = Tokenizer.from_dir(gguf_model_dir(path)), Tokenizer.from_dir(hf_dir)
+    for text in ["Hello world", "<|im_start|>user\nhi 12345<|im_end|>", "<tool_call>\n{}",
+                 "  spaces\tand\nnew lines ünïcode 🙂", ""]:
+        assert ours.encode(text) == original.encode(text), text
+        assert ours.decode(original.encode(text)) == original.decode(original.encode(text))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == original.apply_chat_template(messages)
+    assert ours.eos_token_id == original.eos_token_id
+
+
+def test_the_server_names_a_gguf_model_as_given(model_dir_factory, tmp_path):
+    from aserve.engine.arg_utils import EngineArgs
+
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    args = EngineArgs(model=str(path))
+    assert args.served_model_name == str(path)
+    assert (gguf_model_dir(path) / "config.json").is_file()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "m.gguf").write_bytes(path.read_bytes())
+    assert EngineArgs(model=str(folder)).served_model_name == str(folder)
+
+
+# ------------------------------------------------------------------------------ bad files
+
+def test_a_truncated_file_is_one_error_naming_it(model_dir_factory, tmp_path):
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "whole.gguf", "Q8_0")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 3])
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+        gguf_model_dir(cut)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"\xff" * 64)
+    with pytest.raises(ValueError, match="garbage.gguf is not a readable GGUF file"):
+        gguf_model_dir(garbage)
+
+
+def write_custom(path, arch="llama", tokenizer="gpt2", qtype=None):
+    """A minimal GGUF of one tensor: an architecture, tokenizer or quant type of our choice."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(64)
+    writer.add_tokenizer_model(tokenizer)
+    writer.add_token_list(["a", "b"])
+    if qtype is None:
+        writer.add_tensor("token_embd.weight", np.zeros((2, 32), dtype=np.float32))
+    else:
+        qt = gguf.GGMLQuantizationType[qtype]
+        block, size = gguf.GGML_QUANT_SIZES[qt]
+        raw = np.zeros((2, 256 // block * size), dtype=np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind, match", [
+    ({"arch": "phi3"}, "architecture 'phi3' is not served"),
+    ({"qtype": "IQ4_NL"}, "token_embd.weight"),
+    ({"tokenizer": "llama"}, "tokenizer 'llama' is not supported"),
+])
+def test_what_is_not_served_is_one_error_naming_it(tmp_path, kind, match):
+    path = write_custom(tmp_path / "odd.gguf", **kind)
+    with pytest.raises(ValueError, match=match):
+        gguf_model_dir(path)
+
+
+@pytest.mark.spawns
+def test_the_cli_refuses_a_bad_file_with_one_line_and_exit_1(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_custom(tmp_path / "odd.gguf", arch="phi3")
+    out = subprocess.run([sys.executable, "-m", "aserve", "--model", str(path)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "ASERVE_CACHE": str(tmp_path)})
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "phi3" in out.stderr
