@@ -127,9 +127,69 @@ def random_blocks(shape: tuple[int, ...], qt, rng: np.random.Generator) -> np.nd
     return blocks.reshape(rows, cols // block * size)
 
 
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+BYTE_TOKENS = [f"<0x{i:02X}>" for i in range(256)]
+
+
+def write_spm_tokenizer(out_dir: str | Path, vocab_size: int = 512) -> Path:
+    """A SentencePiece-style tokenizer as HF's Llama / Mistral tokenizer.json has it: BPE with
+    byte fallback (`<0x00>`..`<0xFF>` in the vocabulary), "▁" for spaces with one prepended
+    to the text, `<s>` added in front; written over `out_dir`'s tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from helpers.hf_models import corpus
+
+    out = Path(out_dir)
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPM_SPECIALS + BYTE_TOKENS,
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    tok.save(str(out / "tokenizer.json"))
+    saved = json.loads((out / "tokenizer.json").read_text())  # bytes: vocabulary, not added
+    saved["added_tokens"] = [t for t in saved["added_tokens"] if t["content"] in SPM_SPECIALS]
+    (out / "tokenizer.json").write_text(json.dumps(saved))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,
+              "clean_up_tokenization_spaces": False, "added_tokens_decoder": {
+                  str(i): {"content": t, "special": True, "normalized": False, "lstrip": False,
+                           "rstrip": False, "single_word": False}
+                  for i, t in enumerate(SPM_SPECIALS)}}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def write_spm_vocab(writer, tok: dict, tok_config: dict) -> None:
+    """llama.cpp's SentencePiece vocabulary: tokens, scores (a merged piece scores minus its
+    merge's rank), types (unknown 2, control 3, byte 6)."""
+    vocab = tok["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    rank = {m.replace(" ", ""): i for i, m in reversed(list(enumerate(merges)))}
+    kinds = {"<unk>": 2, "<s>": 3, "</s>": 3, **{b: 6 for b in BYTE_TOKENS}}
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(rank.get(t, 1e6 + vocab[t])) for t in tokens])
+    writer.add_token_types([kinds.get(t, 1) for t in tokens])
+    writer.add_bos_token_id(vocab["<s>"])
+    writer.add_eos_token_id(vocab["</s>"])
+    writer.add_unk_token_id(vocab["<unk>"])
+    writer.add_add_bos_token(True)
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+
+
 def write_tokenizer(writer, hf_dir: Path) -> None:
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    if tok["model"].get("byte_fallback"):
+        return write_spm_vocab(writer, tok, tok_config)
     vocab = dict(tok["model"]["vocab"])
     kinds = {}
     for added in tok["added_tokens"]:
@@ -161,9 +221,9 @@ def unpermute_for_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def hf_reference(hf_dir: str | Path, gguf_path: str | Path):
-    """The HF transformers model of `hf_dir` (float32) holding the GGUF file's weights as
-    llama.cpp's own package dequantizes them (`gguf.quants.dequantize`): what a float
-    reference path must match token for token."""
+    """The HF transformers model of `hf_dir`'s config.json (float32) holding the GGUF file's
+    weights as llama.cpp's own package dequantizes them (`gguf.quants.dequantize`): what a
+    float reference path must match token for token."""
     import gguf
     import torch
     import transformers
@@ -172,7 +232,8 @@ def hf_reference(hf_dir: str | Path, gguf_path: str | Path):
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     gemma = arch.startswith("gemma")
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
     tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
     state = {}
     for name, param in model.state_dict().items():

@@ -89,6 +89,28 @@ def test_its_tokenizer_template_and_special_tokens_are_the_models(model_dir_fact
     assert ours.eos_token_id == original.eos_token_id
 
 
+def test_a_sentencepiece_vocabulary_tokenizes_as_hfs_llama_tokenizer(tmp_path):
+    """llama.cpp's `llama` vocabulary (scores, byte tokens, no merges) as HF's Llama / Mistral
+    tokenizer.json runs it: byte fallback, "▁" spaces, the BOS in front."""
+    import shutil
+
+    from helpers.gguf_models import write_spm_tokenizer
+    from helpers.hf_models import make_hf_model
+
+    hf_dir = make_hf_model(tmp_path / "spm", "llama")
+    write_spm_tokenizer(hf_dir)
+    path = write_gguf(hf_dir, tmp_path / "spm.gguf", "Q8_0")
+    ours, original = Tokenizer.from_dir(gguf_model_dir(path)), Tokenizer.from_dir(hf_dir)
+    for text in ["The cat sat on the mat", " leading space", "two  spaces\nand a line",
+                 "ünïcode 🙂 falls back to bytes", "12345", ""]:
+        assert ours.encode(text) == original.encode(text), text
+        ids = original.encode(text)
+        assert ours.decode(ids, skip_special_tokens=True) == original.decode(
+            ids, skip_special_tokens=True)
+    assert ours.encode("x")[0] == 1  # <s>
+    shutil.rmtree(hf_dir)
+
+
 def test_the_server_names_a_gguf_model_as_given(model_dir_factory, tmp_path):
     from aserve.engine.arg_utils import EngineArgs
 
