@@ -164,7 +164,7 @@ def write_custom(path, arch="llama", tokenizer="gpt2", qtype=None):
 @pytest.mark.parametrize("kind, match", [
     ({"arch": "phi3"}, "architecture 'phi3' is not served"),
     ({"qtype": "IQ4_NL"}, "token_embd.weight"),
-    ({"tokenizer": "llama"}, "tokenizer 'llama' is not supported"),
+    ({"tokenizer": "t5"}, "tokenizer 't5' is not supported"),
 ])
 def test_what_is_not_served_is_one_error_naming_it(tmp_path, kind, match):
     path = write_custom(tmp_path / "odd.gguf", **kind)
