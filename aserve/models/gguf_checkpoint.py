@@ -1,6 +1,7 @@
 """A GGUF file's tensors as a checkpoint (`loader.load_weights` reads it like safetensors):
 llama.cpp's tensor names mapped back to HF's, llama's Q / K rows un-permuted (llama.cpp stores
-each head's rotary halves interleaved), every tensor dequantized in torch
+each head's rotary halves interleaved), Gemma's norms less the 1 llama.cpp added, every tensor
+dequantized in torch
 (`aserve/quantization/gguf_quants.py`). The file's header is `quantization.gguf_file`'s."""
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ LAYER_TENSORS = {  # llama.cpp's name under blk.N. -> HF's under model.layers.N.
 }
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                "output": "lm_head"}
+GEMMA_NORMS = {  # Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP)
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 class GGUFCheckpoint:
@@ -34,9 +38,11 @@ class GGUFCheckpoint:
         self.num_heads = {"q": heads,
                           "k": int(self.meta.arch_get("attention.head_count_kv", heads))}
         self.permuted = arch == "llama"  # llama.cpp permutes llama's Q / K rows, not qwen's
+        self.gemma = arch.startswith("gemma")  # its norms stored as 1 + w (ggml scales by w)
+        layer_tensors = {**LAYER_TENSORS, **(GEMMA_NORMS if self.gemma else {})}
         self.names = {}
         for name in self.meta.tensors:
-            hf = hf_name(name)
+            hf = hf_name(name, layer_tensors)
             if hf is None:
                 raise ValueError(f"{self.meta.path}: tensor {name!r} is not one aserve knows "
                                  f"for architecture {arch!r}.")
@@ -58,20 +64,22 @@ class GGUFCheckpoint:
         value = dequantize(raw, tensor.tensor_type, shape, name=tensor.name)
         if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = unpermute_rope_rows(value, self.num_heads[name.split(".")[-2][0]])
+        if self.gemma and name.endswith("norm.weight"):
+            value -= 1
         return value
 
     def get_slice(self, name: str) -> torch.Tensor:
         return self.get_tensor(name)
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, layer_tensors: dict[str, str] = LAYER_TENSORS) -> str | None:
     """HF's name of a llama.cpp tensor; None for one not known."""
     base, _, kind = name.rpartition(".")
     if base in TOP_TENSORS:
         return f"{TOP_TENSORS[base]}.{kind}"
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_tensors:
+        return f"model.layers.{parts[1]}.{layer_tensors[parts[2]]}.{kind}"
     return None
 
 

@@ -12,11 +12,12 @@ holding one GGUF and no config.json. Torch-free (the engine's arguments call it)
 Its tensors are read by `aserve/models/gguf_checkpoint.py` (HF's names, dequantized in torch by
 `gguf_quants.py`).
 
-The file is parsed with the `gguf` package (llama.cpp's own). Served: the architectures `llama`
-(Llama, Mistral, SmolLM), `qwen2` and `qwen3`; the tokenizers `gpt2` (byte-level BPE, with
-llama.cpp's pre-tokenizer names) and `llama` (SentencePiece BPE with byte fallback). Anything
-else (an architecture, a pre-tokenizer, a quant type, a truncated or corrupt file) is one
-ValueError naming what and where, before a weight is read.
+The file is parsed with the `gguf` package (llama.cpp's own). Served: the architectures
+`llama` (Llama, Mistral, SmolLM), `qwen2`, `qwen3`, `gemma2` and `gemma3` (text); the
+tokenizers `gpt2` (byte-level BPE, with llama.cpp's pre-tokenizer names) and `llama`
+(SentencePiece BPE with byte fallback). Anything else (an architecture, a pre-tokenizer, a
+quant type, a truncated or corrupt file) is one ValueError naming what and where, before a
+weight is read.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from pathlib import Path
 from typing import Any
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
+# Gemma's attention scale is 1/sqrt(query_pre_attn_scalar): head_dim, but hidden / heads in the
+# 27B models, which llama.cpp tells by their layer count (GGUF has no key for it)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}  # every N-th layer is global (llama.cpp's)
 LINK_NAME = "model.gguf"
 
 
@@ -175,7 +181,33 @@ class GGUFMetadata:
                 config["rope_scaling"]["original_max_position_embeddings"] = int(original)
         if self.arch_get("attention.sliding_window", None):
             config["sliding_window"] = int(self.arch_get("attention.sliding_window"))
+        if self.arch.startswith("gemma"):
+            config.update(self._gemma(config))
         return config
+
+    def _gemma(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Gemma-2 / 3's keys: the attention scale, each layer's attention type (the file's
+        `sliding_window_pattern`, a period or a bool per layer, else llama.cpp's default),
+        soft-caps (Gemma-2), the sliding layers' rope base (Gemma-3: `rope.freq_base_swa`,
+        default 10000, as llama.cpp's)."""
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        scalar = (config["hidden_size"] // heads if layers == GEMMA_27B_LAYERS[self.arch]
+                  else config["head_dim"])
+        pattern = self.arch_get("attention.sliding_window_pattern",
+                                GEMMA_SLIDING_PATTERN[self.arch])
+        sliding = ([(i + 1) % int(pattern) != 0 for i in range(layers)]
+                   if isinstance(pattern, int) else [bool(p) for p in pattern])
+        out: dict[str, Any] = {
+            "model_type": "gemma3_text" if self.arch == "gemma3" else "gemma2",
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": scalar, "tie_word_embeddings": True,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+        if self.arch == "gemma2":
+            out["attn_logit_softcapping"] = self.arch_get("attn_logit_softcapping", None)
+            out["final_logit_softcapping"] = self.arch_get("final_logit_softcapping", None)
+        else:
+            out["rope_local_base_freq"] = float(self.arch_get("rope.freq_base_swa", 10000.0))
+        return out
 
     def generation_config(self) -> dict[str, Any]:
         out = {k: self.get(f"tokenizer.ggml.{k}", None)

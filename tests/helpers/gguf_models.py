@@ -73,13 +73,25 @@ def write_gguf(hf_dir: str | Path, path: str | Path, qtype: str = "F32") -> Path
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    if arch != "gemma3" or "full_attention" not in (config.get("rope_parameters") or {}):
+        writer.add_rope_freq_base(float(config.get("rope_theta") or (
+            config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(config["attn_logit_softcapping"]))
         writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
     if gemma and config.get("sliding_window"):
         writer.add_sliding_window(int(config["sliding_window"]))
+    if gemma and config.get("layer_types"):
+        writer.add_sliding_window_pattern([t == "sliding_attention"
+                                           for t in config["layer_types"]])
+    rope = config.get("rope_parameters") or {}
+    if arch == "gemma3" and "full_attention" in rope:  # transformers 5's rope per layer type
+        writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        if rope["full_attention"].get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
     write_tokenizer(writer, hf_dir)
     qt = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)

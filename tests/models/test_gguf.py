@@ -13,12 +13,13 @@ import struct
 import pytest
 import torch
 from helpers.gguf_models import hf_reference, write_gguf
+from helpers.hf_models import SLIDING_CASES
 
 from aserve import LLM, SamplingParams
 from aserve.engine.tokenizer import Tokenizer
 from aserve.quantization.gguf_file import gguf_model_dir
 
-PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250], [100, 200, 300]]
+PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250, 11, 42, 43, 44, 45], [100, 200, 300]]  # past W
 K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512, head_dim=64)  # 256-wide rows
 
 
@@ -38,8 +39,16 @@ def greedy_parity(hf_dir, path) -> None:
         assert list(out.outputs[0].token_ids) == expected.tolist(), path.name
 
 
+# Gemma as llama.cpp can write it: attention scale 1/sqrt(head_dim) (its 27B sizes aside), and
+# for Gemma-3 the layer pattern, both rope bases and the linear factor in the file's keys
+GEMMA2 = dict(query_pre_attn_scalar=16, sliding_window=10, attn_logit_softcapping=5.0,
+              final_logit_softcapping=3.0)
+GEMMA3 = {**SLIDING_CASES["gemma3"][1], "query_pre_attn_scalar": 16, "rope_parameters": {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}}  # a base that shows
 CASES = [("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}),
-         ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {})]
+         ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2),
+         ("gemma3", "Q4_1", GEMMA3)]
 SLOW_CASES = [("llama", q, {}) for q in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")] + [
     ("llama", q, K_QUANT_MODEL) for q in ("Q2_K", "Q3_K", "Q5_K", "Q6_K")] + [
     ("qwen2", "Q6_K", K_QUANT_MODEL), ("qwen3", "Q8_0", {}), ("qwen3", "Q4_K", K_QUANT_MODEL)]
