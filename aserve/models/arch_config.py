@@ -26,6 +26,7 @@ import torch
 
 from aserve.config import MoEConfig
 from aserve.models.moe_config import moe_config
+from aserve.quantization.hf_checkpoint import check_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SCALED_ROPE_WITH_ORIGINAL_LEN = ("llama3", "yarn")
@@ -286,14 +287,15 @@ def _slides_by_default(arch: str, cfg: dict[str, Any], layer: int) -> bool:
 
 
 def _refuse_quantization(arch: str, hf_config: dict[str, Any]) -> None:
-    """A quantized checkpoint (any `quantization_config`: gpt-oss' MXFP4 experts, GPTQ, AWQ,
-    FP8...) is refused, naming its method: aserve loads float weights only."""
+    """A quantized checkpoint whose method aserve cannot dequantize at load
+    (`quantization.hf_checkpoint.check_quantization`: gpt-oss' MXFP4 experts, bitsandbytes,
+    an unknown method...) is refused, naming it."""
     quant = hf_config.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ValueError(f"{arch} checkpoint is quantized ({method}); aserve loads only "
-                         "float32 / bfloat16 / float16 weights (a dequantized checkpoint "
-                         "works).")
+        try:
+            check_quantization(quant)
+        except ValueError as e:
+            raise ValueError(f"{arch} checkpoint: {e}") from None
 
 
 def _eos_ids(cfg: dict[str, Any], generation_config: dict[str, Any]) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from aserve.models.causal_lm import CausalLM
 from aserve.models.gguf_checkpoint import GGUFCheckpoint
 from aserve.models.registry import get_model_class
 from aserve.quantization.gguf_file import LINK_NAME as GGUF_LINK
+from aserve.quantization.hf_checkpoint import QuantizedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     dtype = resolve_dtype(model_config.dtype, arch)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
-    load_weights(model, weight_files(model_dir), arch.tie_word_embeddings)
+    quantization = _read_json(model_dir / "config.json").get("quantization_config")
+    load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization)
     return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
 
 
@@ -176,8 +178,12 @@ def _missing(model: CausalLM, packed: dict[str, tuple[str, str | int]],
     return missing
 
 
-def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
+def load_weights(model: CausalLM, files: list[Path], tied: bool,
+                 quantization: dict[str, Any] | None = None) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded.
+    A quantized checkpoint (`quantization`: its config's `quantization_config`) is read as
+    the float one it stands for (`QuantizedCheckpoint`), across all its files at once (a
+    weight's scales may sit in another shard).
 
     A name is renamed (prefixes, then the model's regex renames), then matched as an expert
     tensor (`expert_target`: only this rank's experts are read) before the packed-module
@@ -187,8 +193,8 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
     renames, owns = model.checkpoint_renames, model.owns_weight  # (another stage's: skipped)
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
-    for path in files:
-        with open_checkpoint(path) as f:
+    for path, opener in _checkpoints(files, quantization):
+        with opener() as f:
             for stored in f.keys():
                 name = _renamed(stored, prefixes)
                 if name is None:
@@ -221,9 +227,16 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool) -> None:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")
 
 
+def _checkpoints(files: list[Path], quantization: dict[str, Any] | None):
+    """(a path to name in errors, an opener of its tensors) for each checkpoint to read: each
+    safetensors file, a GGUF (`GGUFCheckpoint`: HF's names, dequantized), or a quantized HF
+    checkpoint's files together."""
+    if quantization:
+        return [(files[0].parent, lambda: QuantizedCheckpoint(files, quantization))]
+    return [(path, lambda path=path: open_checkpoint(path)) for path in files]
+
+
 def open_checkpoint(path: Path):
-    """A checkpoint file's tensors: safetensors, or a GGUF (`GGUFCheckpoint`: HF's names,
-    dequantized)."""
     if path.suffix == ".gguf":
         return GGUFCheckpoint(path)
     return safe_open(str(path), framework="pt", device="cpu")

@@ -1,0 +1,159 @@
+"""Quantized HF checkpoints on the float reference path (`aserve/quantization/hf_checkpoint.py`):
+a tiny Llama's linear weights written as each method stores them — FP8 with block scales
+(`weight_block_size`) or one per tensor, compressed-tensors FP8 / int8 per channel, int4
+pack-quantized per group of 32 — is greedy-equal token for token to HF transformers holding the
+same weights dequantized here, independently; the scales sit in another shard than their weight
+in one case; a method, format or bit width aserve cannot read is one error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from aserve import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250], [100, 200, 300]]
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8 = torch.float8_e4m3fn
+BLOCK = 32
+GROUP = 32
+
+
+def fp8_block(w):
+    """[out, in] -> (fp8 weight, scale_inv per BLOCK x BLOCK block)."""
+    rows, cols = w.shape
+    blocks = w.reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+    q = (blocks / scale[:, None, :, None]).to(FP8).reshape(rows, cols)
+    deq = (q.float().reshape(rows // BLOCK, BLOCK, cols // BLOCK, BLOCK)
+           * scale[:, None, :, None]).reshape(rows, cols)
+    return {"weight": q, "weight_scale_inv": scale}, deq
+
+
+def fp8_tensor(w):
+    scale = w.abs().max() / 448.0
+    q = (w / scale).to(FP8)
+    return {"weight": q, "weight_scale": scale.reshape(1), "input_scale": torch.ones(1)}, \
+        q.float() * scale
+
+
+def fp8_channel(w):
+    scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+    q = (w / scale).to(FP8)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
+def int8_channel(w):
+    scale = w.abs().amax(dim=1, keepdim=True) / 127.0
+    q = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+    return {"weight": q, "weight_scale": scale}, q.float() * scale
+
+
+def int4_packed(w):
+    """compressed-tensors pack-quantized, 4 bits, symmetric, one scale per GROUP inputs: codes
+    -8..7 stored + 8, eight to an int32, the first in the lowest bits."""
+    rows, cols = w.shape
+    groups = w.reshape(rows, cols // GROUP, GROUP)
+    scale = groups.abs().amax(dim=-1) / 7.0
+    codes = torch.round(groups / scale[..., None]).clamp(-8, 7).reshape(rows, cols)
+    unsigned = (codes + 8).to(torch.int64).reshape(rows, cols // 8, 8)
+    words = torch.zeros(rows, cols // 8, dtype=torch.int64)
+    for i in range(8):
+        words |= unsigned[..., i] << (4 * i)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    deq = codes.reshape(rows, cols // GROUP, GROUP) * scale[..., None]
+    return ({"weight_packed": words, "weight_scale": scale,
+             "weight_shape": torch.tensor([rows, cols])}, deq.reshape(rows, cols))
+
+
+def ct_config(fmt, num_bits, kind, strategy, group_size=None):
+    weights = {"num_bits": num_bits, "type": kind, "symmetric": True, "strategy": strategy,
+               "group_size": group_size}
+    return {"quant_method": "compressed-tensors", "format": fmt,
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"]}
+
+
+CASES = {
+    "fp8-block": (fp8_block, {"quant_method": "fp8", "activation_scheme": "dynamic",
+                              "weight_block_size": [BLOCK, BLOCK]}),
+    "fp8-tensor": (fp8_tensor, {"quant_method": "fp8", "activation_scheme": "static"}),
+    "ct-fp8-channel": (fp8_channel, ct_config("float-quantized", 8, "float", "channel")),
+    "ct-int8-channel": (int8_channel, ct_config("int-quantized", 8, "int", "channel")),
+    "ct-int4-group": (int4_packed, ct_config("pack-quantized", 4, "int", "group", GROUP)),
+}
+
+
+def quantized_copy(hf_dir: Path, out: Path, quantize, quant_config, split: bool = False):
+    """`hf_dir` with its linear weights quantized; (the directory, the dequantized state)."""
+    shutil.copytree(hf_dir, out)
+    state = load_file(str(out / "model.safetensors"))
+    stored, dequantized = {}, {}
+    for name, value in state.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and module.rsplit(".", 1)[-1] in LINEAR:
+            parts, deq = quantize(value.float())
+            stored.update({f"{module}.{k}": v for k, v in parts.items()})
+            dequantized[name] = deq
+        else:
+            stored[name] = value
+            dequantized[name] = value
+    (out / "model.safetensors").unlink()
+    if split:  # scales in a second shard, apart from their weights
+        first = {k: v for k, v in stored.items() if "scale" not in k}
+        second = {k: v for k, v in stored.items() if "scale" in k}
+        save_file(first, str(out / "model-00001-of-00002.safetensors"))
+        save_file(second, str(out / "model-00002-of-00002.safetensors"))
+        index = {"weight_map": {**{k: "model-00001-of-00002.safetensors" for k in first},
+                                **{k: "model-00002-of-00002.safetensors" for k in second}}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        save_file(stored, str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (out / "config.json").write_text(json.dumps(config))
+    return out, dequantized
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_quantized_checkpoint_is_greedy_equal_to_hf_on_its_dequantized_weights(
+        model_dir_factory, tmp_path, case):
+    import transformers
+
+    hf_dir = model_dir_factory("llama")
+    quantize, config = CASES[case]
+    out, dequantized = quantized_copy(hf_dir, tmp_path / case, quantize, config,
+                                      split=case == "fp8-block")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    original_logits = reference(torch.tensor([PROMPTS[0]])).logits
+    reference.load_state_dict(dequantized)
+    assert not torch.allclose(original_logits, reference(torch.tensor([PROMPTS[0]])).logits,
+                              atol=1e-4)  # quantizing changed the model: the test can tell
+    llm = LLM(model=str(out), dtype="float32", max_model_len=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, got in zip(PROMPTS, outs):
+        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12,
+                                      min_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert list(got.outputs[0].token_ids) == expected.tolist(), case
+
+
+@pytest.mark.parametrize("quant, match", [
+    ({"quant_method": "bitsandbytes"}, "method 'bitsandbytes' is not supported"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "format 'marlin-24'"),
+    ({"quant_method": "gptq", "bits": 3}, "gptq with 3 bits"),
+    ("fp8", "quantization_config must be an object"),
+])
+def test_what_cannot_be_read_is_one_error_naming_it(model_dir_factory, tmp_path, quant, match):
+    out = tmp_path / "q"
+    shutil.copytree(model_dir_factory("llama"), out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(out), dtype="float32", max_model_len=64)
