@@ -53,8 +53,14 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     dtype = resolve_dtype(model_config.dtype, arch)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
-    quantization = _read_json(model_dir / "config.json").get("quantization_config")
+    config = _read_json(model_dir / "config.json")
+    quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization)
+    if quantization or "gguf" in config:
+        source = (f"quantization {quantization.get('quant_method')}" if quantization else
+                  f"GGUF {config['gguf']['file']} "
+                  f"({', '.join(f'{n} x{c}' for n, c in config['gguf']['tensor_types'].items())})")
+        logger.info("weights: %s, dequantized to %s at load", source, str(dtype).split(".")[-1])
     return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
 
 

@@ -169,6 +169,7 @@ class GGUFMetadata:
             "attention_bias": "blk.0.attn_q.bias" in self.tensors,
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id", None),
             "eos_token_id": self.get("tokenizer.ggml.eos_token_id", None),
+            "gguf": {"file": str(self.path), "tensor_types": self.tensor_types()},
         }
         scaling = self.arch_get("rope.scaling.type", None)
         if scaling not in (None, "none"):
@@ -208,6 +209,13 @@ class GGUFMetadata:
         else:
             out["rope_local_base_freq"] = float(self.arch_get("rope.freq_base_swa", 10000.0))
         return out
+
+    def tensor_types(self) -> dict[str, int]:
+        """How many tensors the file holds of each quant type, most first."""
+        counts: dict[str, int] = {}
+        for tensor in self.reader.tensors:
+            counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def generation_config(self) -> dict[str, Any]:
         out = {k: self.get(f"tokenizer.ggml.{k}", None)

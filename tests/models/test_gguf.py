@@ -193,3 +193,14 @@ def test_the_cli_refuses_a_bad_file_with_one_line_and_exit_1(tmp_path):
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "phi3" in out.stderr
+
+
+def test_the_load_log_says_what_the_weights_were(model_dir_factory, tmp_path, caplog):
+    import logging
+
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    with caplog.at_level(logging.INFO, logger="aserve.models.loader"):
+        LLM(model=str(path), dtype="float32", max_model_len=64)
+    assert f"weights: GGUF {path}" in caplog.text
+    assert "(Q8_0 x16, F32 x5)" in caplog.text  # 2 layers x 7 linears, embedding, LM head
+    assert "dequantized to float32" in caplog.text
