@@ -28,6 +28,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from aserve.quantization.awq_gptq import (
+    AWQ_BITS,
+    GPTQ_BITS,
+    dequantize_awq,
+    dequantize_gptq,
+    gptq_zero_offset,
+)
+
 METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 COMPANIONS = ("weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
               "input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale",
@@ -54,8 +62,12 @@ def check_quantization(quant: Any) -> str:
             if fmt == "pack-quantized" and weights.get("num_bits") not in (4, 8):
                 raise ValueError(f"compressed-tensors pack-quantized weights of "
                                  f"{weights.get('num_bits')} bits are not supported (4, 8).")
-    if method in ("gptq", "awq") and quant.get("bits", 4) not in (2, 4, 8):
-        raise ValueError(f"{method} with {quant.get('bits')} bits is not supported (2, 4, 8).")
+    allowed = {"gptq": GPTQ_BITS, "awq": AWQ_BITS}.get(method)
+    if allowed and quant.get("bits", 4) not in allowed:
+        raise ValueError(f"{method} with {quant.get('bits')} bits is not supported "
+                         f"({', '.join(map(str, allowed))}).")
+    if method == "gptq":
+        gptq_zero_offset(quant.get("checkpoint_format"))  # (a format it does not know: named)
     return method
 
 
@@ -150,19 +162,17 @@ class QuantizedCheckpoint:
         return codes * _expand(scale, codes.shape, module)
 
     def _gptq_awq(self, module: str) -> torch.Tensor:
-        from aserve.quantization import awq_gptq
-
-        get = self._raw
-        bits = int(self.quant.get("bits", 4))
+        get, quant = self._raw, self.quant
+        bits, group_size = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
         if self.method == "awq":
-            return awq_gptq.dequantize_awq(get(f"{module}.qweight"), get(f"{module}.qzeros"),
-                                           get(f"{module}.scales"),
-                                           int(self.quant.get("group_size", 128)), bits=bits)
+            return dequantize_awq(get(f"{module}.qweight"), get(f"{module}.qzeros"),
+                                  get(f"{module}.scales"), group_size, bits=bits)
         g_idx = get(f"{module}.g_idx") if self._has(f"{module}.g_idx") else None
-        return awq_gptq.dequantize_gptq(
-            get(f"{module}.qweight"), get(f"{module}.qzeros"), get(f"{module}.scales"), g_idx,
-            bits=bits, group_size=int(self.quant.get("group_size", 128)),
-            zeros_minus_one=self.quant.get("checkpoint_format", "gptq") != "gptq_v2")
+        qzeros = get(f"{module}.qzeros") if self._has(f"{module}.qzeros") else None
+        return dequantize_gptq(
+            get(f"{module}.qweight"), qzeros, get(f"{module}.scales"), g_idx, bits=bits,
+            group_size=group_size, sym=bool(quant.get("sym", True)),
+            zero_offset=gptq_zero_offset(quant.get("checkpoint_format")))
 
 
 def _expand(scale: torch.Tensor, shape: torch.Size, module: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Quantized HF checkpoints on the float reference path (`aserve/quantization/hf_checkpoint.py`):
 a tiny Llama's linear weights written as each method stores them — FP8 with block scales
 (`weight_block_size`) or one per tensor, compressed-tensors FP8 / int8 per channel, int4
-pack-quantized per group of 32 — is greedy-equal token for token to HF transformers holding the
+pack-quantized per group of 32, GPTQ (with and without act-order) and AWQ, 4-bit asymmetric in
+groups of 32 — is greedy-equal token for token to HF transformers holding the
 same weights dequantized here, independently; the scales sit in another shard than their weight
 in one case; a method, format or bit width aserve cannot read is one error naming it.
 """
@@ -72,6 +73,47 @@ def int4_packed(w):
              "weight_shape": torch.tensor([rows, cols])}, deq.reshape(rows, cols))
 
 
+def group_codes(w, g_idx, groups):
+    """Asymmetric 4-bit codes of [out, in] `w` whose input i is in group g_idx[i]: (codes,
+    zeros [groups, out], float16 scales [groups, out], the dequantized weight)."""
+    rows, cols = w.shape
+    codes = torch.zeros(rows, cols, dtype=torch.int64)
+    zeros = torch.zeros(groups, rows, dtype=torch.int64)
+    scales = torch.zeros(groups, rows)
+    for k in range(groups):
+        members = g_idx == k
+        part = w[:, members]
+        low, high = part.amin(dim=1), part.amax(dim=1)
+        scale = ((high - low) / 15).clamp(min=1e-6).half().float()
+        zero = torch.round(-low / scale).clamp(1, 15)
+        codes[:, members] = torch.round(part / scale[:, None] + zero[:, None]).clamp(
+            0, 15).long()
+        zeros[k], scales[k] = zero.long(), scale
+    deq = (codes - zeros[g_idx].T) * scales[g_idx].T
+    return codes, zeros, scales.half(), deq
+
+
+def gptq(w, act_order):
+    from aserve.quantization.awq_gptq import pack_gptq
+
+    g_idx = torch.arange(w.shape[1]) // GROUP
+    if act_order:  # act-order: input rows in groups by a permutation
+        g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))]
+    codes, zeros, scales, deq = group_codes(w, g_idx, w.shape[1] // GROUP)
+    qweight, qzeros, scales = pack_gptq(codes, zeros, scales, bits=4, zero_offset=1)
+    return ({"qweight": qweight, "qzeros": qzeros, "scales": scales,
+             "g_idx": g_idx.to(torch.int32)}, deq)
+
+
+def awq(w):
+    from aserve.quantization.awq_gptq import pack_awq
+
+    codes, zeros, scales, deq = group_codes(w, torch.arange(w.shape[1]) // GROUP,
+                                            w.shape[1] // GROUP)
+    qweight, qzeros, scales = pack_awq(codes, zeros, scales, bits=4)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales}, deq
+
+
 def ct_config(fmt, num_bits, kind, strategy, group_size=None):
     weights = {"num_bits": num_bits, "type": kind, "symmetric": True, "strategy": strategy,
                "group_size": group_size}
@@ -87,6 +129,14 @@ CASES = {
     "ct-fp8-channel": (fp8_channel, ct_config("float-quantized", 8, "float", "channel")),
     "ct-int8-channel": (int8_channel, ct_config("int-quantized", 8, "int", "channel")),
     "ct-int4-group": (int4_packed, ct_config("pack-quantized", 4, "int", "group", GROUP)),
+    "gptq-act-order": (lambda w: gptq(w, True), {
+        "quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
+        "checkpoint_format": "gptq"}),
+    "gptq": (lambda w: gptq(w, False), {
+        "quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+        "sym": False}),
+    "awq": (awq, {"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm",
+                  "zero_point": True}),
 }
 
 
@@ -147,7 +197,9 @@ def test_a_quantized_checkpoint_is_greedy_equal_to_hf_on_its_dequantized_weights
 @pytest.mark.parametrize("quant, match", [
     ({"quant_method": "bitsandbytes"}, "method 'bitsandbytes' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "format 'marlin-24'"),
-    ({"quant_method": "gptq", "bits": 3}, "gptq with 3 bits"),
+    ({"quant_method": "gptq", "bits": 5}, "gptq with 5 bits"),
+    ({"quant_method": "awq", "bits": 8}, "awq with 8 bits"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "marlin"),
     ("fp8", "quantization_config must be an object"),
 ])
 def test_what_cannot_be_read_is_one_error_naming_it(model_dir_factory, tmp_path, quant, match):
