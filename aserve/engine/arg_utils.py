@@ -81,7 +81,7 @@ class EngineArgs:
                                     if "MASTER_PORT" in os.environ else None)
 
     def __post_init__(self) -> None:
-        if is_gguf(self.model):  # served from a directory of its metadata and a link to it
+        if self.model and is_gguf(self.model):  # served from a directory of its metadata
             self.served_model_name = self.served_model_name or self.model
             self.model = str(gguf_model_dir(self.model))
         if self.tensor_parallel_size < 1:

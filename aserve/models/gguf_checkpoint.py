@@ -42,6 +42,8 @@ class GGUFCheckpoint:
         layer_tensors = {**LAYER_TENSORS, **(GEMMA_NORMS if self.gemma else {})}
         self.names = {}
         for name in self.meta.tensors:
+            if name == "rope_freqs.weight":
+                continue  # (the config's llama3 rope_scaling, `GGUFMetadata._llama3_rope`)
             hf = hf_name(name, layer_tensors)
             if hf is None:
                 raise ValueError(f"{self.meta.path}: tensor {name!r} is not one aserve knows "

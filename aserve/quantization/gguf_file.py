@@ -126,9 +126,6 @@ class GGUFMetadata:
         self.tensors = {t.name: t for t in self.reader.tensors}
         for tensor in self.reader.tensors:
             check_supported(tensor.tensor_type, f"{tensor.name} in {self.path.name}")
-        if "rope_freqs.weight" in self.tensors:
-            raise ValueError(f"{self.path}: Llama 3 rope frequency factors (rope_freqs.weight) "
-                             "are not supported yet.")
 
     def get(self, key: str, default: Any = KeyError) -> Any:
         field = self.reader.fields.get(key)
@@ -172,7 +169,9 @@ class GGUFMetadata:
             "gguf": {"file": str(self.path), "tensor_types": self.tensor_types()},
         }
         scaling = self.arch_get("rope.scaling.type", None)
-        if scaling not in (None, "none"):
+        if "rope_freqs.weight" in self.tensors:
+            config["rope_scaling"] = self._llama3_rope(config)
+        elif scaling not in (None, "none"):
             if scaling not in ("linear", "yarn"):
                 raise ValueError(f"{self.path}: rope scaling {scaling!r} is not supported.")
             config["rope_scaling"] = {"rope_type": scaling,
@@ -185,6 +184,39 @@ class GGUFMetadata:
         if self.arch.startswith("gemma"):
             config.update(self._gemma(config))
         return config
+
+    def _llama3_rope(self, config: dict[str, Any]) -> dict[str, Any]:
+        """HF's llama3 rope_scaling behind a `rope_freqs` tensor (llama.cpp stores the factor
+        each frequency is divided by, not the parameters): the factor is the largest, and the
+        factors between 1 and it, 1 / ((1 - s) / factor + s) with s = a / wavelength - b, give
+        a = original / (high - low) and b = low / (high - low) by least squares; `original`
+        is the file's `rope.scaling.original_context_length` (default 8192: any value gives
+        the same frequencies). Checked by recomputing every factor."""
+        import numpy as np
+
+        factors = np.asarray(self.tensors["rope_freqs.weight"].data, dtype=np.float64)
+        dim = 2 * len(factors)
+        wavelength = 2 * np.pi * config["rope_theta"] ** (np.arange(0, dim, 2) / dim)
+        factor = float(factors.max())
+        original = int(self.arch_get("rope.scaling.original_context_length", 8192))
+        medium = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+        if medium.sum() >= 2:
+            smooth = (1 / factors[medium] - 1 / factor) / (1 - 1 / factor)
+            a, minus_b = np.polyfit(1 / wavelength[medium], smooth, 1)
+            low, high = -minus_b * original / a, (1 - minus_b) * original / a
+        else:  # no curve to fit: boundaries between the last 1 and the first `factor`
+            ones, full = wavelength[factors <= 1 + 1e-6], wavelength[factors >= factor * (1 - 1e-6)]
+            high = original / (ones.max() * 1.001) if len(ones) else original / 1e-9
+            low = original / (full.min() * 0.999) if len(full) else high / 2
+        params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+                  "high_freq_factor": float(high), "original_max_position_embeddings": original}
+        smooth = np.clip((original / wavelength - low) / (high - low), 0, 1)
+        expected = np.where(wavelength < original / high, 1.0, np.where(
+            wavelength > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+        if not np.allclose(expected, factors, rtol=1e-4):
+            raise ValueError(f"{self.path}: rope_freqs.weight does not follow Llama 3's rope "
+                             "scaling; such factors are not supported.")
+        return params
 
     def _gemma(self, config: dict[str, Any]) -> dict[str, Any]:
         """Gemma-2 / 3's keys: the attention scale, each layer's attention type (the file's

@@ -92,6 +92,11 @@ def write_gguf(hf_dir: str | Path, path: str | Path, qtype: str = "F32") -> Path
         if rope["full_attention"].get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(float(rope["full_attention"]["factor"]))
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp keeps the factors, not the parameters
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(
+            rope, float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
+            head_dim))
     write_tokenizer(writer, hf_dir)
     qt = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)
@@ -224,6 +229,24 @@ def write_tokenizer(writer, hf_dir: Path) -> None:
     writer.add_add_bos_token(bool(tok_config.get("add_bos_token", False)))
     if tok_config.get("chat_template"):
         writer.add_chat_template(tok_config["chat_template"])
+
+
+def llama3_rope_factors(rope: dict, base: float, dim: int) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's rope scaling, as llama.cpp's
+    converter stores it (`rope_freqs.weight`)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    original = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelength = 2 * np.pi * base ** (i / dim)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def unpermute_for_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -46,7 +46,12 @@ GEMMA2 = dict(query_pre_attn_scalar=16, sliding_window=10, attn_logit_softcappin
 GEMMA3 = {**SLIDING_CASES["gemma3"][1], "query_pre_attn_scalar": 16, "rope_parameters": {
     "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
     "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}}  # a base that shows
-CASES = [("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}),
+# Llama 3.1+'s rope scaling, which a GGUF keeps as a factor per frequency (`rope_freqs`): two
+# of the 8 frequencies on the curve between 1 and the factor
+LLAMA3_ROPE = dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64})
+CASES = [("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}),
          ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2),
          ("gemma3", "Q4_1", GEMMA3)]
 SLOW_CASES = [("llama", q, {}) for q in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")] + [
@@ -199,8 +204,26 @@ def test_the_load_log_says_what_the_weights_were(model_dir_factory, tmp_path, ca
     import logging
 
     path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q8_0")
-    with caplog.at_level(logging.INFO, logger="aserve.models.loader"):
-        LLM(model=str(path), dtype="float32", max_model_len=64)
+    logger = logging.getLogger("aserve.models.loader")  # (its own handler: another test may
+    logger.addHandler(caplog.handler)                    # have stopped "aserve" propagating)
+    try:
+        with caplog.at_level(logging.INFO, logger="aserve.models.loader"):
+            LLM(model=str(path), dtype="float32", max_model_len=64)
+    finally:
+        logger.removeHandler(caplog.handler)
     assert f"weights: GGUF {path}" in caplog.text
     assert "(Q8_0 x16, F32 x5)" in caplog.text  # 2 layers x 7 linears, embedding, LM head
     assert "dequantized to float32" in caplog.text
+
+
+def test_rope_factors_that_follow_no_llama3_rule_are_refused(model_dir_factory, tmp_path):
+    import gguf
+    import numpy as np
+
+    path = write_gguf(model_dir_factory("llama", **LLAMA3_ROPE), tmp_path / "r.gguf", "Q8_0")
+    reader = gguf.GGUFReader(str(path), "r+")
+    factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+    factors[:] = np.array([1.0, 3.0, 1.5, 8.0, 2.0, 8.0, 8.0, 8.0], dtype=np.float32)
+    del reader
+    with pytest.raises(ValueError, match="does not follow Llama 3's rope scaling"):
+        gguf_model_dir(path)
