@@ -51,7 +51,8 @@ GEMMA3 = {**SLIDING_CASES["gemma3"][1], "query_pre_attn_scalar": 16, "rope_param
 LLAMA3_ROPE = dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 64})
-CASES = [("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}),
+CASES = [("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL),
+         ("qwen2", "Q8_0", {}),
          ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2),
          ("gemma3", "Q4_1", GEMMA3)]
 SLOW_CASES = [("llama", q, {}) for q in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")] + [
