@@ -22,6 +22,11 @@ LAYER_TENSORS = {  # llama.cpp's name under blk.N. -> HF's under model.layers.N.
 }
 TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                "output": "lm_head"}
+MOE_TENSORS = {  # a mixture of experts' router and shared expert (the experts: EXPERTS)
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 GEMMA_NORMS = {  # Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP)
     "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm"}
@@ -39,16 +44,23 @@ class GGUFCheckpoint:
                           "k": int(self.meta.arch_get("attention.head_count_kv", heads))}
         self.permuted = arch == "llama"  # llama.cpp permutes llama's Q / K rows, not qwen's
         self.gemma = arch.startswith("gemma")  # its norms stored as 1 + w (ggml scales by w)
-        layer_tensors = {**LAYER_TENSORS, **(GEMMA_NORMS if self.gemma else {})}
-        self.names = {}
-        for name in self.meta.tensors:
+        layer_tensors = {**LAYER_TENSORS, **MOE_TENSORS, **(GEMMA_NORMS if self.gemma else {})}
+        self.names: dict[str, tuple[str, int | None]] = {}  # HF name -> (tensor, expert)
+        for name, tensor in self.meta.tensors.items():
             if name == "rope_freqs.weight":
                 continue  # (the config's llama3 rope_scaling, `GGUFMetadata._llama3_rope`)
+            base, _, kind = name.rpartition(".")
+            layer, _, part = base.removeprefix("blk.").partition(".")
+            if part in EXPERTS:  # [experts, rows, cols]: one HF name per expert
+                for e in range(int(tensor.shape[-1])):
+                    self.names[f"model.layers.{layer}.mlp.experts.{e}.{EXPERTS[part]}.{kind}"] = (
+                        name, e)
+                continue
             hf = hf_name(name, layer_tensors)
             if hf is None:
                 raise ValueError(f"{self.meta.path}: tensor {name!r} is not one aserve knows "
                                  f"for architecture {arch!r}.")
-            self.names[hf] = name
+            self.names[hf] = (name, None)
 
     def __enter__(self) -> GGUFCheckpoint:
         return self
@@ -60,10 +72,17 @@ class GGUFCheckpoint:
         return list(self.names)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        tensor = self.meta.tensors[self.names[name]]
+        source, expert = self.names[name]
+        tensor = self.meta.tensors[source]
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists innermost first
-        raw = torch.from_numpy(tensor.data.reshape(-1).view("uint8").copy())
+        data = tensor.data.reshape(-1).view("uint8")
+        if expert is not None:  # only this expert's rows are read
+            size = len(data) // shape[0]
+            data, shape = data[expert * size:(expert + 1) * size], shape[1:]
+        raw = torch.from_numpy(data.copy())
         value = dequantize(raw, tensor.tensor_type, shape, name=tensor.name)
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(1, -1)  # (llama.cpp keeps it as a vector)
         if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = unpermute_rope_rows(value, self.num_heads[name.split(".")[-2][0]])
         if self.gemma and name.endswith("norm.weight"):

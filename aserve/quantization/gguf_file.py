@@ -13,7 +13,8 @@ Its tensors are read by `aserve/models/gguf_checkpoint.py` (HF's names, dequanti
 `gguf_quants.py`).
 
 The file is parsed with the `gguf` package (llama.cpp's own). Served: the architectures
-`llama` (Llama, Mistral, SmolLM), `qwen2`, `qwen3`, `gemma2` and `gemma3` (text); the
+`llama` (Llama, Mistral, SmolLM; with experts, Mixtral), `qwen2`, `qwen3`, `gemma2`, `gemma3`
+(text), `qwen2moe` and `qwen3moe`; the
 tokenizers `gpt2` (byte-level BPE, with llama.cpp's pre-tokenizer names) and `llama`
 (SentencePiece BPE with byte fallback). Anything else (an architecture, a pre-tokenizer, a
 quant type, a truncated or corrupt file) is one ValueError naming what and where, before a
@@ -31,7 +32,11 @@ from typing import Any
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "gemma3": "Gemma3ForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}  # (llama with experts: Mixtral)
+# whether an architecture's router renormalises its top-k weights, as llama.cpp runs it (a
+# file's `expert_weights_norm` says otherwise)
+MOE_RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 # Gemma's attention scale is 1/sqrt(query_pre_attn_scalar): head_dim, but hidden / heads in the
 # 27B models, which llama.cpp tells by their layer count (GGUF has no key for it)
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -183,7 +188,25 @@ class GGUFMetadata:
             config["sliding_window"] = int(self.arch_get("attention.sliding_window"))
         if self.arch.startswith("gemma"):
             config.update(self._gemma(config))
+        if self.arch_get("expert_count", None):
+            config.update(self._experts())
         return config
+
+    def _experts(self) -> dict[str, Any]:
+        """A mixture of experts' keys: every layer sparse (llama.cpp has no dense ones among
+        them), the count and top-k, the experts' and the shared expert's widths."""
+        count, top_k = int(self.arch_get("expert_count")), int(self.arch_get("expert_used_count"))
+        renormalize = bool(self.arch_get("expert_weights_norm", MOE_RENORMALIZE[self.arch]))
+        if self.arch == "llama":
+            return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                    "num_local_experts": count, "num_experts_per_tok": top_k}
+        out = {"num_experts": count, "num_experts_per_tok": top_k, "norm_topk_prob": renormalize,
+               "moe_intermediate_size": int(self.arch_get("expert_feed_forward_length")),
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+        shared = self.arch_get("expert_shared_feed_forward_length", None)
+        if shared:
+            out["shared_expert_intermediate_size"] = int(shared)
+        return out
 
     def _llama3_rope(self, config: dict[str, Any]) -> dict[str, Any]:
         """HF's llama3 rope_scaling behind a `rope_freqs` tensor (llama.cpp stores the factor

@@ -14,6 +14,7 @@ The reference a test compares with is transformers reading the same file
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -29,10 +30,29 @@ PLAIN_NORM = {"post_attention_layernorm": "ffn_norm"}  # llama, mistral, qwen
 GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm",
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
+MOE_NAMES = {  # HF module under model.layers.N. -> llama.cpp tensor under blk.N.
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+               "w2": "down"}
 ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
          "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+         "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+         "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+         "Qwen3MoeForCausalLM": "qwen3moe"}
 TOKEN_TYPES = {"normal": 1, "control": 3, "user_defined": 4}
+
+
+def gguf_source(hf_name: str, gemma: bool) -> tuple[str, int | None]:
+    """(llama.cpp's tensor, the expert's index in it or None) of an HF checkpoint name."""
+    expert = EXPERT.match(hf_name)
+    if expert:
+        layer, index, proj = expert.groups()
+        return f"blk.{layer}.ffn_{EXPERT_KIND[proj]}_exps.weight", int(index)
+    return gguf_name(hf_name, gemma), None
 
 
 def gguf_name(hf_name: str, gemma: bool) -> str:
@@ -44,7 +64,7 @@ def gguf_name(hf_name: str, gemma: bool) -> str:
         return "output.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, kind = rest.rpartition(".")
-    names = {**LAYER_NAMES, **(GEMMA_NORMS if gemma else PLAIN_NORM)}
+    names = {**LAYER_NAMES, **MOE_NAMES, **(GEMMA_NORMS if gemma else PLAIN_NORM)}
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
@@ -97,31 +117,58 @@ def write_gguf(hf_dir: str | Path, path: str | Path, qtype: str = "F32") -> Path
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(
             rope, float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
             head_dim))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                int(config["shared_expert_intermediate_size"]))
     write_tokenizer(writer, hf_dir)
     qt = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(0)
-    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors = stack_experts(load_file(str(hf_dir / "model.safetensors")), gemma)
     for name, value in tensors.items():
         value = value.astype(np.float32)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            value = value.reshape(-1)  # llama.cpp keeps the shared expert's gate as a vector
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = permute_for_rope(value, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):
             value = value + 1  # ggml's RMS norm scales by w, Gemma's by 1 + w
+        target = name if name.startswith("blk.") else gguf_name(name, gemma)
         if value.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(name, gemma), value)
+            writer.add_tensor(target, value)
         elif qt == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(gguf_name(name, gemma), value.astype(np.float16))
+            writer.add_tensor(target, value.astype(np.float16))
         elif qtype in SCALE_OFFSETS:  # K-quants gguf cannot quantize: random valid blocks
-            writer.add_tensor(gguf_name(name, gemma), random_blocks(value.shape, qt, rng),
-                              raw_dtype=qt)
+            rows = random_blocks((int(np.prod(value.shape[:-1])), value.shape[-1]), qt, rng)
+            writer.add_tensor(target, rows.reshape(*value.shape[:-1], -1), raw_dtype=qt)
         else:
             data = gguf.quants.quantize(value, qt)
-            writer.add_tensor(gguf_name(name, gemma), data, raw_dtype=qt)
+            writer.add_tensor(target, data, raw_dtype=qt)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def stack_experts(tensors: dict[str, np.ndarray], gemma: bool) -> dict[str, np.ndarray]:
+    """Per-expert weights as llama.cpp keeps them: one [experts, rows, cols] tensor per layer and
+    kind (`blk.N.ffn_gate_exps.weight`); the rest as they are."""
+    out, stacks = {}, {}
+    for name, value in tensors.items():
+        source, index = gguf_source(name, gemma)
+        if index is None:
+            out[name] = value
+        else:
+            stacks.setdefault(source, {})[index] = value
+    for source, parts in stacks.items():
+        out[source] = np.stack([parts[i] for i in range(len(parts))])
+    return out
 
 
 # Where each K-quant block keeps its float16 super-block scales (d, then dmin where it has
@@ -258,29 +305,46 @@ def unpermute_for_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def hf_reference(hf_dir: str | Path, gguf_path: str | Path):
     """The HF transformers model of `hf_dir`'s config.json (float32) holding the GGUF file's
     weights as llama.cpp's own package dequantizes them (`gguf.quants.dequantize`): what a
-    float reference path must match token for token."""
+    float reference path must match token for token. (A checkpoint of those weights under the
+    names `hf_dir`'s has, which transformers loads; for a directory without weights, the
+    model's own parameter names.)"""
+    import tempfile
+
     import gguf
     import torch
     import transformers
+    from safetensors.torch import save_file
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
     arch = ARCHS[config["architectures"][0]]
     gemma = arch.startswith("gemma")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    weights = hf_dir / "model.safetensors"
     model = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
-    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    shapes = ({k: tuple(v.shape) for k, v in load_file(str(weights)).items()}
+              if weights.is_file() else {k: tuple(v.shape) for k, v in model.state_dict().items()})
     state = {}
-    for name, param in model.state_dict().items():
+    for name, shape in shapes.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        tensor = tensors[gguf_name(name, gemma)]
-        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(param.shape)
+        source, expert = gguf_source(name, gemma)
+        tensor = tensors[source]
+        value = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        value = (value.reshape(-1, *shape)[expert] if expert is not None
+                 else value.reshape(shape))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
             value = unpermute_for_rope(value, heads)
         if gemma and name.endswith("norm.weight"):
             value = value - 1
         state[name] = torch.from_numpy(np.ascontiguousarray(value, dtype=np.float32))
-    model.load_state_dict(state, strict=False)
-    return model.eval()
+    if not weights.is_file():
+        model.load_state_dict(state, strict=False)
+        return model.eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        save_file(state, str(Path(tmp) / "model.safetensors"))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.float32).eval()

@@ -51,7 +51,16 @@ GEMMA3 = {**SLIDING_CASES["gemma3"][1], "query_pre_attn_scalar": 16, "rope_param
 LLAMA3_ROPE = dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 64})
-CASES = [("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL),
+# Mixtures of experts as llama.cpp keeps them: every layer sparse, experts stacked per kind;
+# Qwen2-MoE unnormalised with a gated shared expert, Qwen3-MoE renormalised
+MIXTRAL = dict(num_local_experts=5, num_experts_per_tok=2)
+QWEN2_MOE = dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                 moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                 norm_topk_prob=False)
+QWEN3_MOE = dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=64,
+                 norm_topk_prob=True)
+CASES = [("mixtral", "Q8_0", MIXTRAL), ("qwen2_moe", "Q4_0", QWEN2_MOE),
+         ("qwen3_moe", "Q5_0", QWEN3_MOE), ("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL),
          ("qwen2", "Q8_0", {}),
          ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2),
          ("gemma3", "Q4_1", GEMMA3)]
