@@ -19,7 +19,10 @@ Prints one JSON line.
   and the host's op time per token and the ops that take the most (`--trace`: a Chrome trace);
   on a GPU, kernel time against the TPOT is what the host adds to a step;
 - llama.cpp (with --gguf): `llama-bench -p 0 -n O -t cores -r 3` on the same model's GGUF: its
-  t/s as TPOT.
+  t/s as TPOT, against the roofline of the file's own bytes (a quantized file reads fewer:
+  `gguf_bytes_per_token`). `--model` may be that GGUF file too: aserve serves it dequantized
+  to bfloat16 (its roofline: the bf16 bytes), so the two rows show what keeping the weights
+  quantized is worth.
 
 The engines run first; the bandwidth is timed afterwards in a process of its own. Each engine's
 TPOT is also given as the fraction of the roofline it reaches (roofline TPOT /
@@ -105,13 +108,34 @@ def weight_bytes_per_token(model_dir: str, itemsize: int = 2) -> dict:
             "lm_head_bytes": head * itemsize, "params_read": total}
 
 
+def gguf_bytes_per_token(path: Path) -> int:
+    """Bytes a batch-1 decode step reads of a GGUF file's weights as they are stored (quantized):
+    every tensor but the embedding, of which one row; a tied model's embedding read whole as
+    its LM head."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    embed = tensors["token_embd.weight"]
+    total = sum(int(t.n_bytes) for name, t in tensors.items() if name != "token_embd.weight")
+    row = int(embed.n_bytes) // int(embed.shape[-1])
+    return total + row + (0 if "output.weight" in tensors else int(embed.n_bytes))
+
+
+def model_dir_of(model: str) -> str:
+    """The HF-shaped directory aserve reads a model from (a GGUF file's is made from it)."""
+    from aserve.quantization.gguf_file import gguf_model_dir, is_gguf
+
+    return str(gguf_model_dir(model)) if is_gguf(model) else model
+
+
 def aserve_batch1(args: argparse.Namespace) -> dict:
     """TPOT from the engine's step log: the steps' end times, first token (the prefill's step)
     to last, over the tokens between; best of --repeats."""
     from aserve import LLM, SamplingParams
 
     llm = LLM(args.model, dtype="bfloat16", max_num_seqs=1, device=args.device)
-    prompt = {"prompt_token_ids": make_prompts(1, args.input_len, vocab_size_of(args.model))[0]}
+    prompt = {"prompt_token_ids": make_prompts(1, args.input_len,
+                                               vocab_size_of(model_dir_of(args.model)))[0]}
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     core = llm.engine_core
@@ -233,11 +257,18 @@ def main(argv: list[str] | None = None) -> int:
                           "--device", args.device],
                          capture_output=True, text=True, timeout=900, check=True)
     bandwidth = json.loads(out.stdout.strip().splitlines()[-1])
-    weights = weight_bytes_per_token(args.model)
+    weights = weight_bytes_per_token(model_dir_of(args.model))
     roofline_ms = weights["bytes"] / (bandwidth["gb_s"] * 1e9) * 1000
     result.update(bandwidth=bandwidth, weights=weights, roofline_tpot_ms=round(roofline_ms, 3))
+    rooflines = {engine: roofline_ms for engine in engines}
+    if args.gguf is not None:  # llama.cpp reads the file's own (maybe quantized) bytes
+        stored = gguf_bytes_per_token(args.gguf)
+        rooflines["llamacpp"] = stored / (bandwidth["gb_s"] * 1e9) * 1000
+        result.update(gguf_bytes_per_token=stored,
+                      gguf_roofline_tpot_ms=round(rooflines["llamacpp"], 3))
     for engine in engines:
-        result[engine]["fraction_of_roofline"] = round(roofline_ms / result[engine]["tpot_ms"], 3)
+        result[engine]["fraction_of_roofline"] = round(
+            rooflines[engine] / result[engine]["tpot_ms"], 3)
     if "llamacpp" in result:
         result["aserve_tpot_over_llamacpp"] = round(
             result["aserve"]["tpot_ms"] / result["llamacpp"]["tpot_ms"], 3)

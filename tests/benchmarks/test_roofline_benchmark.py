@@ -60,3 +60,21 @@ def test_the_report(llama_dir, tmp_path):
         assert profile["host_ops_ms_per_token"] > 0 and any(n.startswith("aten::") for n in names)
     assert "device_kernels_ms_per_token" not in profile  # CPU: no device
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_a_gguf_files_bytes_per_token_are_its_stored_tensors(llama_dir, tmp_path, monkeypatch):
+    """A quantized file reads its own bytes: Q8_0's 34 bytes per 32 weights, the embedding
+    one row (the model is untied: its LM head is `output.weight`); and `--model` may be the
+    file itself (its directory is what the bf16 roofline reads from)."""
+    from helpers.gguf_models import write_gguf
+
+    monkeypatch.setenv("ASERVE_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(llama_dir, tmp_path / "m.gguf", "Q8_0")
+    config = json.loads((llama_dir / "config.json").read_text())
+    bf16 = roofline.weight_bytes_per_token(str(llama_dir), itemsize=2)
+    stored = roofline.gguf_bytes_per_token(path)
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    norms = (2 * layers + 1) * h * 4  # F32 vectors
+    matrices = bf16["params_read"] - (2 * layers + 1) * h - h  # less the norms and the row
+    assert stored == matrices * 34 // 32 + norms + h * 34 // 32
+    assert roofline.weight_bytes_per_token(roofline.model_dir_of(str(path))) == bf16
