@@ -15,7 +15,12 @@ from aserve.config import (
     SchedulerConfig,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
-from aserve.quantization.gguf_file import GGUFError, gguf_model_dir, is_gguf  # noqa: F401 (CLI)
+from aserve.quantization.gguf_file import (  # noqa: F401 (GGUFError, model_source: the server's)
+    GGUFError,
+    gguf_model_dir,
+    is_gguf,
+    model_source,
+)
 
 
 class KVTransferConfigError(ValueError):

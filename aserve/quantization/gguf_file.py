@@ -69,6 +69,13 @@ def gguf_file(model: str | Path) -> Path:
     return files[0]
 
 
+def model_source(model: str | Path) -> str:
+    """The file a GGUF model's directory stands for (what `/v1/models` names as its root);
+    any other model as it is."""
+    link = Path(model) / LINK_NAME
+    return str(link.resolve()) if link.is_symlink() else str(model)
+
+
 class GGUFError(ValueError):
     """A GGUF file aserve cannot serve (the CLI's exit 1: a bad model, not a bad command)."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from aserve.engine.arg_utils import model_source
 from aserve.server.chat import render_chat
 from aserve.server.errors import ServerError
 from aserve.server.metrics import CONTENT_TYPE
@@ -25,7 +26,7 @@ from aserve.server.serving import check_model, parse_body, running_engine, serve
 async def list_models(request: Request) -> Response:
     state = server_state(request)
     engine = running_engine(request)
-    card = ModelCard(id=state.model_name, root=state.engine_args.model,
+    card = ModelCard(id=state.model_name, root=model_source(state.engine_args.model),
                      max_model_len=engine.model_info.max_model_len)
     return JSONResponse(ModelList(data=[card]).model_dump())
 

@@ -237,3 +237,16 @@ def test_rope_factors_that_follow_no_llama3_rule_are_refused(model_dir_factory, 
     del reader
     with pytest.raises(ValueError, match="does not follow Llama 3's rope scaling"):
         gguf_model_dir(path)
+
+
+def test_v1_models_names_the_gguf_file_as_its_root(model_dir_factory, tmp_path):
+    import httpx
+    from helpers.server import serving
+
+    from aserve.engine.arg_utils import EngineArgs
+    from aserve.server import build_app
+
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    with serving(build_app(EngineArgs(model=str(path), dtype="float32", max_model_len=64))) as url:
+        [card] = httpx.get(f"{url}/v1/models").json()["data"]
+    assert card["id"] == str(path) and card["root"] == str(path.resolve())
