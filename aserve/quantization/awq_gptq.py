@@ -73,6 +73,12 @@ def _check_bits(fmt: str, bits: int, allowed: tuple[int, ...]) -> None:
         raise ValueError(f"{fmt}: bits={bits} is not supported (supported: {list(allowed)})")
 
 
+def _check_gptq(bits: int, zero_offset: int) -> None:
+    _check_bits("gptq", bits, GPTQ_BITS)
+    if zero_offset not in (0, 1):
+        raise ValueError(f"gptq: zero_offset={zero_offset} must be 1 (v1 'gptq') or 0 ('gptq_v2')")
+
+
 def _check_tensor(fmt: str, name: str, t: torch.Tensor, kind: str, ndim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{fmt} {name}: expected a tensor, got {type(t).__name__}")
@@ -186,9 +192,7 @@ def dequantize_gptq(
     assumes for sym checkpoints; a sym checkpoint's stored qzeros decode to the same value).
     """
     fmt = "gptq"
-    _check_bits(fmt, bits, GPTQ_BITS)
-    if zero_offset not in (0, 1):
-        raise ValueError(f"{fmt}: zero_offset={zero_offset} must be 1 (v1 'gptq') or 0 ('gptq_v2')")
+    _check_gptq(bits, zero_offset)
     _check_tensor(fmt, "qweight", qweight, "int32", 2)
     _check_tensor(fmt, "scales", scales, "float", 2)
     if qweight.shape[0] * 32 % bits:
@@ -255,9 +259,7 @@ def pack_gptq(
     must lie in [1, 2^bits]; 0 (v2) stores them as is, in [0, 2^bits - 1]. g_idx is not
     needed: the packed rows stay in input order whatever their groups."""
     fmt = "gptq"
-    _check_bits(fmt, bits, GPTQ_BITS)
-    if zero_offset not in (0, 1):
-        raise ValueError(f"{fmt}: zero_offset={zero_offset} must be 1 (v1 'gptq') or 0 ('gptq_v2')")
+    _check_gptq(bits, zero_offset)
     _check_tensor(fmt, "codes", codes, "int", 2)
     _check_tensor(fmt, "scales", scales, "float", 2)
     out_features, in_features = codes.shape

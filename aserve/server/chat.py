@@ -60,9 +60,8 @@ async def render_chat(request: Request, engine, body: ChatCompletionRequest | ob
     compiled and rendered in a worker thread, so the event loop keeps serving everyone else
     while it runs within its bounds (`aserve/engine/chat_template.py`)."""
     kwargs = dict(body.chat_template_kwargs or {})
-    from_kwargs = kwargs.pop("chat_template", None)
-    own = getattr(body, "chat_template", None)
-    own = from_kwargs if own is None else own
+    kwargs.pop("chat_template", None)
+    own = own_template(body)
     if own is not None:
         _check_request_template(own, server_state(request).config, engine.tokenizer)
     template = own or server_state(request).chat_template
@@ -86,6 +85,13 @@ async def render_chat(request: Request, engine, body: ChatCompletionRequest | ob
     except Exception as e:  # noqa: BLE001 - a template (maybe the request's own) failed on it
         raise ServerError(f"The chat template could not be applied: {describe_error(e)}",
                           400, "chat_template" if own else "messages") from e
+
+
+def own_template(body) -> str | None:
+    """The template a request brings: `chat_template`, else vLLM's
+    `chat_template_kwargs.chat_template`."""
+    own = getattr(body, "chat_template", None)
+    return (body.chat_template_kwargs or {}).get("chat_template") if own is None else own
 
 
 def _check_request_template(source: object, config, tokenizer) -> None:
@@ -144,10 +150,10 @@ def tool_parser_for(request: Request, engine, body: ChatCompletionRequest
         return None
     name = server_state(request).config.tool_call_parser
     if name is None:
-        own = body.chat_template or (body.chat_template_kwargs or {}).get("chat_template")
         try:
             source = engine.tokenizer.get_chat_template(
-                own or server_state(request).chat_template, body.template_tools())
+                own_template(body) or server_state(request).chat_template,
+                body.template_tools())
         except ValueError:  # (no template: rendering failed already)
             source = None
         name = parser_for_template(source, engine.tokenizer)

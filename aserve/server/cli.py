@@ -2,6 +2,7 @@
 
     python -m aserve                                   # the built-in demo model, or
     python -m aserve --model /path/to/model            # a local HF directory, or
+    python -m aserve --model /path/to/model.gguf       # a GGUF file, or
     python -m aserve --model org/name                  # a Hugging Face hub id (cache first)
     python -m aserve --model M --prompt "Hello"        # generate offline and print, no server
 
@@ -10,9 +11,9 @@ frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGI
 stops the server gracefully (in-flight requests get `--shutdown-timeout` seconds, then are
 aborted) and the process exits 0; `launch.py` runs the app.
 
-Exit codes: 0 served or generated; 1 the engine or the socket failed, or a bad
-`--kv-transfer-config` (unknown connector or role, malformed JSON, no storage path); 2 bad
-arguments or a model that cannot be found.
+Exit codes: 0 served or generated; 1 the engine or the socket failed, a bad
+`--kv-transfer-config` (unknown connector or role, malformed JSON, no storage path) or a GGUF
+file aserve cannot serve; 2 bad arguments or a model that cannot be found (`hub.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import re
 import signal
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aserve
@@ -34,6 +34,7 @@ from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from aserve.engine.arg_utils import EngineArgs, GGUFError, KVTransferConfigError
 from aserve.sampling_params import SamplingParams
 from aserve.server.connections import add_connection_args, connection_limits_from, raise_fd_limit
+from aserve.server.hub import ModelNotFound, resolve_model
 from aserve.server.reasoning_parsers import REASONING_PARSERS
 from aserve.server.tool_parsers import TOOL_PARSERS
 
@@ -42,7 +43,6 @@ if TYPE_CHECKING:  # the server side imports torch: load it only once arguments 
     from aserve.server.app import ServerConfig
 
 DEFAULT_MODEL = str(DEMO_MODEL_DIR)  # served when no --model is given
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 API_KEY_ENV = "ASERVE_API_KEY"
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -123,7 +123,7 @@ SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp
 
 
 class UsageError(Exception):
-    """Bad arguments or a model that cannot be found: one line on stderr, exit code 2."""
+    """Bad arguments: one line on stderr, exit code 2 (as a model that cannot be found)."""
 
 
 # ---------------------------------------------------------------------------------- arguments
@@ -273,36 +273,6 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
                         disable_frontend=ns.disable_frontend)
 
 
-# ---------------------------------------------------------------------------------- the model
-
-def resolve_model(name: str) -> str:
-    """A local directory as is; else a hub id, fetched into (or found in) the HF cache."""
-    if Path(name).expanduser().exists():
-        return str(Path(name).expanduser())
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
-
-    try:
-        return snapshot_download(name, allow_patterns=HUB_FILES)
-    except HFValidationError:
-        raise UsageError(f"model {name!r}: no such directory (nor a hub id org/name)") from None
-    except LocalEntryNotFoundError:
-        raise UsageError(f"model {name!r}: no such directory, and no copy in the Hugging Face "
-                         "cache (HF_HUB_OFFLINE is set or the hub is unreachable)") from None
-    except (RepositoryNotFoundError, GatedRepoError):
-        raise UsageError(f"model {name!r}: no such directory, nor a hub repository you can "
-                         "read (private or gated ones need HF_TOKEN)") from None
-    except Exception as e:  # noqa: BLE001 - any download failure is one line, not a traceback
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        raise UsageError(f"model {name!r}: download failed: {type(e).__name__}: "
-                         f"{first_line}") from None
-
-
 # ---------------------------------------------------------------------------------- offline
 
 def generate_offline(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
@@ -400,6 +370,6 @@ def main(argv: list[str] | None = None) -> int:
     except (KVTransferConfigError, GGUFError) as e:  # a startup error of the server: exit 1
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (UsageError, ValueError, FileNotFoundError) as e:
+    except (UsageError, ModelNotFound, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

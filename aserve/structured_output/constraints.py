@@ -14,6 +14,7 @@ most `MAX_CONSTRAINT_CHARS` characters as JSON; llguidance itself refuses a gram
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -163,16 +164,11 @@ def _special_token(text: str, tokenizer: Any) -> int | None:
     return ids[0] if len(ids) == 1 and tokenizer.is_special_token(ids[0]) else None
 
 
-_SPECIAL_IDS: dict[int, frozenset[int]] = {}  # by id(tokenizer): a worker keeps one tokenizer
-
-
+@functools.lru_cache(maxsize=4)  # (holds the tokenizers it saw: a worker keeps one)
 def _special_ids(tokenizer: Any) -> frozenset[int]:
     if tokenizer is None:
         return frozenset()
-    if id(tokenizer) not in _SPECIAL_IDS:
-        _SPECIAL_IDS[id(tokenizer)] = frozenset(
-            i for i in range(tokenizer.vocab_size) if tokenizer.is_special_token(i))
-    return _SPECIAL_IDS[id(tokenizer)]
+    return frozenset(i for i in range(tokenizer.vocab_size) if tokenizer.is_special_token(i))
 
 
 def _id_ranges(ids: set[int] | frozenset[int]) -> str:

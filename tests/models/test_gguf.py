@@ -13,9 +13,10 @@ import struct
 import pytest
 import torch
 from helpers.gguf_models import hf_reference, write_gguf
-from helpers.hf_models import SLIDING_CASES
+from helpers.hf_models import SLIDING_CASES, hf_greedy
+from helpers.parity import generate_ids
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 from aserve.engine.tokenizer import Tokenizer
 from aserve.quantization.gguf_file import gguf_model_dir
 
@@ -29,14 +30,8 @@ def gguf_cache(tmp_path, monkeypatch):
 
 
 def greedy_parity(hf_dir, path) -> None:
-    reference = hf_reference(hf_dir, path)
     llm = LLM(model=str(path), dtype="float32", max_model_len=256)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for prompt, out in zip(PROMPTS, outs):
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12,
-                                      min_new_tokens=12, do_sample=False)[0, len(prompt):]
-        assert list(out.outputs[0].token_ids) == expected.tolist(), path.name
+    assert generate_ids(llm, PROMPTS, 12) == hf_greedy(hf_reference(hf_dir, path), PROMPTS, 12)
 
 
 # Gemma as llama.cpp can write it: attention scale 1/sqrt(head_dim) (its 27B sizes aside), and
@@ -60,10 +55,9 @@ QWEN2_MOE = dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
 QWEN3_MOE = dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=64,
                  norm_topk_prob=True)
 CASES = [("mixtral", "Q8_0", MIXTRAL), ("qwen2_moe", "Q4_0", QWEN2_MOE),
-         ("qwen3_moe", "Q5_0", QWEN3_MOE), ("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}), ("llama", "Q4_K", K_QUANT_MODEL),
-         ("qwen2", "Q8_0", {}),
-         ("qwen3", "Q4_0", {}), ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2),
-         ("gemma3", "Q4_1", GEMMA3)]
+         ("qwen3_moe", "Q5_0", QWEN3_MOE), ("llama", "Q8_0", LLAMA3_ROPE), ("llama", "F16", {}),
+         ("llama", "Q4_K", K_QUANT_MODEL), ("qwen2", "Q8_0", {}), ("qwen3", "Q4_0", {}),
+         ("mistral", "Q5_1", {}), ("gemma2", "Q8_0", GEMMA2), ("gemma3", "Q4_1", GEMMA3)]
 SLOW_CASES = [("llama", q, {}) for q in ("F32", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")] + [
     ("llama", q, K_QUANT_MODEL) for q in ("Q2_K", "Q3_K", "Q5_K", "Q6_K")] + [
     ("qwen2", "Q6_K", K_QUANT_MODEL), ("qwen3", "Q8_0", {}), ("qwen3", "Q4_K", K_QUANT_MODEL)]

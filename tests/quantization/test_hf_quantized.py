@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.hf_models import hf_greedy
+from helpers.parity import generate_ids
 from safetensors.torch import load_file, save_file
 
-from aserve import LLM, SamplingParams
+from aserve import LLM
 
 PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250], [100, 200, 300]]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -186,12 +188,7 @@ def test_a_quantized_checkpoint_is_greedy_equal_to_hf_on_its_dequantized_weights
     assert not torch.allclose(original_logits, reference(torch.tensor([PROMPTS[0]])).logits,
                               atol=1e-4)  # quantizing changed the model: the test can tell
     llm = LLM(model=str(out), dtype="float32", max_model_len=256)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    for prompt, got in zip(PROMPTS, outs):
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12,
-                                      min_new_tokens=12, do_sample=False)[0, len(prompt):]
-        assert list(got.outputs[0].token_ids) == expected.tolist(), case
+    assert generate_ids(llm, PROMPTS, 12) == hf_greedy(reference, PROMPTS, 12), case
 
 
 @pytest.mark.parametrize("quant, match", [

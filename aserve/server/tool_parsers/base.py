@@ -255,3 +255,11 @@ def tool_parameters(tool: dict[str, Any]) -> dict[str, Any]:
 
 def tool_name(tool: dict[str, Any]) -> str:
     return tool["function"]["name"]
+
+
+def named_call_pattern(tool: dict[str, Any], trigger: str, opening: str = "",
+                       key: str = "arguments", closing: str = "") -> CallPattern:
+    """The call most JSON formats write, held to `tool`'s schema: `trigger` + `opening` +
+    `{"name": NAME, "<key>": ` + the arguments + `}` + `closing`."""
+    return CallPattern(trigger, f'{trigger}{opening}{{"name": {json.dumps(tool_name(tool))}, '
+                                f'"{key}": ', tool_parameters(tool), "}" + closing)

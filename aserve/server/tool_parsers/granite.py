@@ -15,17 +15,13 @@ single call as the templates ask for it (several calls: one marker each).
 
 from __future__ import annotations
 
-import json
-
 from aserve.server.tool_parsers.base import (
-    CallPattern,
     ParsedTools,
     ToolParser,
     json_calls_at,
+    named_call_pattern,
     scan,
     skip_space,
-    tool_name,
-    tool_parameters,
 )
 
 MARKERS = ("<|tool_call|>", "<tool_call>")
@@ -37,8 +33,7 @@ class GraniteToolParser(ToolParser):
     skip_special_tokens = False
 
     def call_patterns(self, tools):
-        return [CallPattern(MARKERS[0], f'{MARKERS[0]}[{{"name": {json.dumps(tool_name(t))}, '
-                            '"arguments": ', tool_parameters(t), "}]") for t in tools]
+        return [named_call_pattern(t, MARKERS[0], "[", closing="]") for t in tools]
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         return scan(text, final, MARKERS, read_granite_calls)

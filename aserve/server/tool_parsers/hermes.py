@@ -14,19 +14,16 @@ object). A call is sent once its `</tool_call>` is written.
 
 from __future__ import annotations
 
-import json
 import re
 
 from aserve.server.tool_parsers.base import (
     Call,
-    CallPattern,
     ParsedTools,
     ToolParser,
     call_of,
     json_at,
+    named_call_pattern,
     scan,
-    tool_name,
-    tool_parameters,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -40,9 +37,7 @@ class HermesToolParser(ToolParser):
     skip_special_tokens = False  # Hermes' tokenizers mark <tool_call> special
 
     def call_patterns(self, tools):
-        return [CallPattern(START, f'{START}\n{{"name": {json.dumps(tool_name(t))}, '
-                            '"arguments": ', tool_parameters(t), f"}}\n{END}")
-                for t in tools]
+        return [named_call_pattern(t, START, "\n", closing=f"\n{END}") for t in tools]
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         return scan(text, final, (START,), read_tagged_call)

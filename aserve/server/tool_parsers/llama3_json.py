@@ -20,20 +20,17 @@ call is still read, unconstrained.
 
 from __future__ import annotations
 
-import json
 import re
 
 from aserve.server.tool_parsers.base import (
     Call,
-    CallPattern,
     ParsedTools,
     ToolParser,
     call_of,
     first_marker,
     free_text,
     json_at,
-    tool_name,
-    tool_parameters,
+    named_call_pattern,
 )
 
 TAGS = ("<|python_tag|>", "<|python_start|>")
@@ -46,8 +43,7 @@ class Llama3JsonToolParser(ToolParser):
     skip_special_tokens = False
 
     def call_patterns(self, tools):
-        return [CallPattern(TAGS[0], f'{TAGS[0]}{{"name": {json.dumps(tool_name(t))}, '
-                            '"parameters": ', tool_parameters(t), "}") for t in tools]
+        return [named_call_pattern(t, TAGS[0], key="parameters") for t in tools]
 
     def parse(self, text: str, final: bool) -> ParsedTools:
         start, tag = first_marker(text, 0, TAGS)

@@ -15,7 +15,6 @@ takes the one it was trained on (several calls: one marker each).
 
 from __future__ import annotations
 
-import json
 import re
 
 from aserve.server.tool_parsers.base import (
@@ -25,6 +24,7 @@ from aserve.server.tool_parsers.base import (
     arguments_json,
     json_at,
     json_calls_at,
+    named_call_pattern,
     scan,
     skip_space,
     tool_name,
@@ -44,8 +44,7 @@ class MistralToolParser(ToolParser):
         for tool in tools:
             name, schema = tool_name(tool), tool_parameters(tool)
             patterns += [CallPattern(MARKER, f"{MARKER}{name}{ARGS}", schema, ""),
-                         CallPattern(MARKER, f'{MARKER}[{{"name": {json.dumps(name)}, '
-                                     '"arguments": ', schema, "}]")]
+                         named_call_pattern(tool, MARKER, "[", closing="]")]
         return patterns
 
     def parse(self, text: str, final: bool) -> ParsedTools:
