@@ -165,6 +165,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
     served_model_name: str | None = None
+    # A quantized checkpoint's weights as floats of `dtype`, not kept as integers for the
+    # platform's integer GEMM (the float reference path; float32 always is)
+    dequantize: bool = False
 
     @property
     def tokenizer_path(self) -> str:

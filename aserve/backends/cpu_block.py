@@ -24,6 +24,7 @@ from aserve.backends.ops import PackedLinear
 from aserve.kernels import cpu_decoder_layer, cpu_extension
 from aserve.kernels.cpu_attention import RowPlan
 from aserve.kernels.cpu_gemm import PackedWeight
+from aserve.kernels.cpu_qgemm import QuantPackedWeight
 
 _NONE = torch.empty(0, dtype=torch.bfloat16)  # an absent bias; the first layer's residual
 
@@ -90,7 +91,7 @@ class DecoderLayerWeights:
     def qualifies(self) -> bool:
         """Whether the C++ layer computes exactly what these modules do."""
         packed = (self.qkv, self.o, self.gate_up, self.down)
-        return (all(isinstance(p, PackedWeight) for p in packed)
+        return (all(isinstance(p, PackedWeight | QuantPackedWeight) for p in packed)
                 and [p.gated for p in packed] == [False, False, True, False]
                 and self.tp_size == 1 and self.q_norm is None and self.k_norm is None
                 and self.gate_up_bias is None

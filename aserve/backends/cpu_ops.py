@@ -8,6 +8,10 @@
               else C++ decode + SDPA                  GEMM, else oneDNN     aserve's GEMM
     float16   C++ decode rows + SDPA    references    F.linear              reference    C++ scan
 
+A bfloat16 model loaded from a quantized checkpoint (a GGUF's quant types) keeps its linear
+weights as integers for the AVX512-VNNI int4 / int8 GEMM (`cpu_qgemm`) where the CPU has it,
+inside the same whole-layer calls; elsewhere they are dequantized to bf16 at load.
+
 bfloat16 also has the whole decoder layer, and a stage's layers, as one C++ call (`cpu_block`).
 Its fused MoE (`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else
 `fused_moe_ref`.
@@ -20,21 +24,34 @@ its C++ kernel does not take (a non-contiguous tensor, int32 positions) goes to 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import torch
 
 from aserve.backends.cpu_block import CpuDecoderBlock, CpuDecoderStack
-from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps, PackedLinear, fused_moe_ref_fn
-from aserve.kernels import cpu_elementwise, cpu_extension, cpu_gemm
+from aserve.backends.ops import (
+    ExpertWeights,
+    FusedMoEFn,
+    KernelOps,
+    LinearToPack,
+    PackedLinear,
+    fused_moe_ref_fn,
+)
+from aserve.kernels import cpu_elementwise, cpu_extension, cpu_gemm, cpu_qgemm
 from aserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from aserve.kernels.cpu_attention import cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
 from aserve.kernels.cpu_moe import CpuFusedMoE
+from aserve.kernels.cpu_qgemm import QuantPackedWeight
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rotary_ref
 from aserve.kernels.store_kv import store_kv_ref
+from aserve.quantization.int_weights import IntWeight
+
+logger = logging.getLogger(__name__)
 
 # Sampling on the host's cores: exponential draws and whole-vocabulary sorts are slow there,
 # and reading a device value is free (`KernelOps.random_sampling`, `top_p_candidates`).
@@ -131,18 +148,41 @@ def _onednn_bf16() -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _pack_linears(weights: Sequence[tuple[torch.Tensor, bool]]) -> list[PackedLinear | None]:
-    """bf16 weights into aserve's AVX512-BF16 GEMM layout (faster than oneDNN's at decode-sized
-    batches, as fast at larger ones; `gated`: [gate; up] for a fused silu_and_mul), else
-    oneDNN's; then aserve's, in forward order, into one buffer of huge pages. Other dtypes stay
-    unpacked."""
+def _pack_linears(weights: Sequence[LinearToPack]) -> list[PackedLinear | None]:
+    """Each weight in aserve's GEMM layouts: a quantized checkpoint's in its integer form for
+    the VNNI int4 / int8 GEMM (`QuantPackedWeight`) where the kernel takes it; bf16 weights
+    in the AVX512-BF16 GEMM's (faster than oneDNN's at decode-sized batches, as fast at larger
+    ones; `gated`: [gate; up] for a fused silu_and_mul), else oneDNN's; then aserve's, in
+    forward order, into one buffer of huge pages. Other dtypes stay unpacked."""
     packed: list[PackedLinear | None] = []
-    for weight, gated in weights:
+    for weight, gated, quantized in weights:
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             packed.append(None)
+        elif (int_weight := _int_weight(quantized)) is not None:
+            packed.append(QuantPackedWeight(int_weight, gated))
         elif PackedWeight.supports(weight):
             packed.append(PackedWeight(weight, gated))
         else:
             packed.append(OneDnnLinear(weight) if _onednn_bf16() else None)
-    gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight)])
+    gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight | QuantPackedWeight)])
+    _log_quantized(packed)
     return packed
+
+
+def _int_weight(quantized: Callable[[], IntWeight | None] | None) -> IntWeight | None:
+    """The integer form to pack, where there is one and the VNNI kernel takes it."""
+    if quantized is None or not cpu_qgemm.available():
+        return None
+    weight = quantized()
+    return weight if weight is not None and QuantPackedWeight.supports(weight) else None
+
+
+def _log_quantized(packed: list[PackedLinear | None]) -> None:
+    quantized = [p for p in packed if isinstance(p, QuantPackedWeight)]
+    if not quantized:
+        return
+    kinds = Counter(f"int{p.bits} g{p.group}" for p in quantized)
+    logger.info("quantized GEMM (AVX512-VNNI): %d of %d linear weights kept as integers (%s), "
+                "%.1f MB; the rest bf16", len(quantized), len(packed),
+                ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())),
+                sum(p.nbytes for p in quantized) / 1e6)

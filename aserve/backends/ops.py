@@ -33,9 +33,11 @@ Each op has one calling convention whatever implements it:
                     among the k best tokens first and sorts only rows whose nucleus is not
                     within them (a host sync, free on the CPU, where a sort of the whole
                     vocabulary is slow)
-    pack_linears([(weight, gated), ...]) -> [PackedLinear | None, ...]
+    pack_linears([LinearToPack(weight, gated, quantized), ...]) -> [PackedLinear | None, ...]
                     optional: weights in the platform's GEMM layout, packed once after loading
-                    (None: every linear is F.linear on the loaded weight)
+                    (None: every linear is F.linear on the loaded weight); `quantized` reads
+                    the weight's integer form where the checkpoint was quantized
+                    (`quantization.int_weights`), for a platform with integer kernels
     decoder_layer(layer) -> DecoderLayerFn | None
                     optional: a pre-norm decoder layer (below; weights packed, KV cache bound)
                     as one call, where the platform has one for it (None: module by module);
@@ -73,7 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -84,6 +86,13 @@ from aserve.kernels.paged_attention import paged_attention_ref
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rotary_ref
 from aserve.kernels.store_kv import store_kv_ref
+from aserve.quantization.int_weights import IntWeight
+
+
+class LinearToPack(NamedTuple):
+    weight: torch.Tensor  # [N, K], as loaded (a quantized checkpoint's: dequantized)
+    gated: bool  # [gate; up]: pack so that `silu_and_mul` comes out of the GEMM
+    quantized: Callable[[], IntWeight | None] | None = None  # its integer form, read on call
 
 
 class PackedLinear(Protocol):
@@ -164,8 +173,7 @@ class KernelOps:
     argmax: Callable[[torch.Tensor], torch.Tensor] = argmax_ref
     random_sampling: str = "race"
     top_p_candidates: int = 0
-    pack_linears: Callable[[Sequence[tuple[torch.Tensor, bool]]],
-                           list[PackedLinear | None]] | None = None
+    pack_linears: Callable[[Sequence[LinearToPack]], list[PackedLinear | None]] | None = None
     decoder_layer: Callable[[nn.Module], DecoderLayerFn | None] | None = None
     decoder_stack: Callable[[Sequence[DecoderLayerFn]], DecoderLayerFn | None] | None = None
     select_experts: Callable[..., tuple[torch.Tensor, torch.Tensor]] = select_experts

@@ -32,6 +32,9 @@ class EngineArgs:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    # A quantized checkpoint (GGUF) loaded as floats of `dtype` instead of kept as integers
+    # for the integer GEMM where the platform has one (the float reference path)
+    dequantize: bool = False
     max_model_len: int | None = None
     max_num_seqs: int = 256
     # Token budget of one step; None: the platform's (CPU 512, GPUs 4096), once it is known.
@@ -147,7 +150,8 @@ class EngineArgs:
     def model_config(self) -> ModelConfig:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
-                           served_model_name=self.served_model_name)
+                           served_model_name=self.served_model_name,
+                           dequantize=self.dequantize)
 
     def worker_spec(self) -> WorkerSpec:
         """What every rank builds."""

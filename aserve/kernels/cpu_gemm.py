@@ -127,8 +127,9 @@ def empty_in_huge_pages(nbytes: list[int]) -> tuple[torch.Tensor, list[torch.Ten
     return buffer, [buffer[o:o + n] for o, n in zip(offsets, nbytes, strict=True)]
 
 
-def gather_in_huge_pages(weights: list[PackedWeight]) -> torch.Tensor | None:
-    """Move packed weights, in order, into one buffer of transparent huge pages: a decode step
+def gather_in_huge_pages(weights: list) -> torch.Tensor | None:
+    """Move packed weights (anything with a `data` tensor: `PackedWeight`, the quantized
+    GEMM's), in order, into one buffer of transparent huge pages: a decode step
     streams every weight from memory, and with 4 KB pages it misses the TLB once per page
     (docs/benchmarks/throughput.md, "Tenth and eleventh runs"). Each weight's `data` becomes a
     view of the buffer, values unchanged; returns the buffer, or None (weights left where they

@@ -4,16 +4,18 @@ model: the runner binds its platform's choice for the model's dtype right after 
 layer not bound yet runs `REF_OPS`, the float32 torch references.
 
 Binding also packs the linear weights, where the platform has a GEMM layout of its own
-(`KernelOps.pack_linears`), all in one call and in forward order, and prepares each
-`PreparedLayer` (a MoE layer's experts for `KernelOps.fused_moe`; a `DecoderStack`'s layers
-for the platform's whole-layer calls, `backends.ops.fuse_layers`).
+(`KernelOps.pack_linears`), all in one call and in forward order (with each weight's integer
+form where the loader kept one from a quantized checkpoint, `quantization.int_weights`), and
+prepares each `PreparedLayer` (a MoE layer's experts for `KernelOps.fused_moe`; a
+`DecoderStack`'s layers for the platform's whole-layer calls, `backends.ops.fuse_layers`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from aserve.backends.ops import REF_OPS, KernelOps, PackedLinear
+from aserve.backends.ops import REF_OPS, KernelOps, LinearToPack, PackedLinear
+from aserve.quantization.int_weights import merged, release
 
 
 class OpsLayer(nn.Module):
@@ -51,11 +53,15 @@ def bind_ops(model: nn.Module, ops: KernelOps) -> int:
             module.ops = ops
         if isinstance(module, PreparedLayer):
             module.prepare()
-    if ops.pack_linears is None:
-        return 0
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
-    packed = ops.pack_linears([(m.weight.data, m.pack_gated) for m in linears])
+    if ops.pack_linears is None:
+        for module in linears:
+            release(module.weight)
+        return 0
+    packed = ops.pack_linears([LinearToPack(m.weight.data, m.pack_gated, merged(m.weight))
+                               for m in linears])
     for module, weight in zip(linears, packed, strict=True):
+        release(module.weight)  # what the loader kept of a quantized checkpoint
         if weight is not None:
             module.set_packed(weight)
     return sum(weight is not None for weight in packed)

@@ -6,12 +6,14 @@ dequantized in torch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from aserve.quantization.gguf_file import GGUFMetadata
-from aserve.quantization.gguf_quants import dequantize
+from aserve.quantization.gguf_quants import dequantize, has_int_form, int_weight
+from aserve.quantization.int_weights import IntWeight
 
 LAYER_TENSORS = {  # llama.cpp's name under blk.N. -> HF's under model.layers.N.
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -71,7 +73,8 @@ class GGUFCheckpoint:
     def keys(self) -> list[str]:
         return list(self.names)
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def _raw(self, name: str) -> tuple[object, torch.Tensor, tuple[int, ...]]:
+        """(the file's tensor, its bytes, HF's shape) of `name` (an expert's rows alone)."""
         source, expert = self.names[name]
         tensor = self.meta.tensors[source]
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists innermost first
@@ -79,15 +82,43 @@ class GGUFCheckpoint:
         if expert is not None:  # only this expert's rows are read
             size = len(data) // shape[0]
             data, shape = data[expert * size:(expert + 1) * size], shape[1:]
-        raw = torch.from_numpy(data.copy())
+        return tensor, torch.from_numpy(data.copy()), shape
+
+    def _rope_heads(self, name: str) -> int | None:
+        """The heads whose rows llama.cpp permuted in `name`, or None."""
+        if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            return self.num_heads[name.split(".")[-2][0]]
+        return None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor, raw, shape = self._raw(name)
         value = dequantize(raw, tensor.tensor_type, shape, name=tensor.name)
         if name.endswith("shared_expert_gate.weight"):
             value = value.reshape(1, -1)  # (llama.cpp keeps it as a vector)
-        if self.permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            value = unpermute_rope_rows(value, self.num_heads[name.split(".")[-2][0]])
+        heads = self._rope_heads(name)
+        if heads is not None:
+            value = unpermute_rope_rows(value, heads)
         if self.gemma and name.endswith("norm.weight"):
             value -= 1
         return value
+
+    def int_weight_source(self, name: str) -> Callable[[], IntWeight | None] | None:
+        """How to read `name`'s integer form (`gguf_quants.int_weight`, HF's row order) when a
+        kernel packs it; None for a tensor that has none (floats, experts, vectors)."""
+        source, expert = self.names[name]
+        tensor = self.meta.tensors[source]
+        if expert is not None or len(tensor.shape) != 2 or not has_int_form(tensor.tensor_type):
+            return None
+
+        def read() -> IntWeight | None:
+            tensor, raw, shape = self._raw(name)
+            weight = int_weight(raw, tensor.tensor_type, shape, name=tensor.name)
+            heads = self._rope_heads(name)
+            if weight is not None and heads is not None:
+                weight = weight.rows(unpermute_rope_rows(torch.arange(shape[0]), heads))
+            return weight
+
+        return read
 
     def get_slice(self, name: str) -> torch.Tensor:
         return self.get_tensor(name)

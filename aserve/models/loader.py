@@ -6,7 +6,9 @@ gate/up).
 
 Reads only local files (no hub downloads). Checkpoints: `model.safetensors`, the shards named
 by `model.safetensors.index.json`, or every `*.safetensors` in the directory; or the GGUF file a
-GGUF model's directory links to (`gguf_checkpoint.py`), dequantized to the model's dtype.
+GGUF model's directory links to (`gguf_checkpoint.py`), dequantized to the model's dtype, with
+how to read each weight's integers kept beside it for a platform's integer GEMM
+(`quantization.int_weights`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from safetensors import safe_open
 from torch import nn
 
 from aserve.config import ModelConfig
+from aserve.distributed import get_tp_size
 from aserve.layers.linear import load_into
 from aserve.layers.moe import FusedMoE, expert_target
 from aserve.models.arch_config import ModelArchConfig
 from aserve.models.causal_lm import CausalLM
 from aserve.models.gguf_checkpoint import GGUFCheckpoint
 from aserve.models.registry import get_model_class
+from aserve.quantization import int_weights
 from aserve.quantization.gguf_file import LINK_NAME as GGUF_LINK
 from aserve.quantization.hf_checkpoint import QuantizedCheckpoint
 
@@ -55,12 +59,16 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
         model = model_cls(arch)
     config = _read_json(model_dir / "config.json")
     quantization = config.get("quantization_config")
-    load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization)
+    load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
+                 keep_integers=not model_config.dequantize)
     if quantization or "gguf" in config:
         source = (f"quantization {quantization.get('quant_method')}" if quantization else
                   f"GGUF {config['gguf']['file']} "
                   f"({', '.join(f'{n} x{c}' for n, c in config['gguf']['tensor_types'].items())})")
-        logger.info("weights: %s, dequantized to %s at load", source, str(dtype).split(".")[-1])
+        kept = ("" if model_config.dequantize or dtype == torch.float32 else
+                ", where no integer GEMM keeps the integers")
+        logger.info("weights: %s, dequantized to %s at load%s", source,
+                    str(dtype).split(".")[-1], kept)
     return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
 
 
@@ -185,11 +193,12 @@ def _missing(model: CausalLM, packed: dict[str, tuple[str, str | int]],
 
 
 def load_weights(model: CausalLM, files: list[Path], tied: bool,
-                 quantization: dict[str, Any] | None = None) -> None:
+                 quantization: dict[str, Any] | None = None, keep_integers: bool = True) -> None:
     """Stream every tensor of `files` into `model`; error naming any weight left unloaded.
     A quantized checkpoint (`quantization`: its config's `quantization_config`) is read as
     the float one it stands for (`QuantizedCheckpoint`), across all its files at once (a
-    weight's scales may sit in another shard).
+    weight's scales may sit in another shard). `keep_integers`: where the checkpoint holds a
+    weight as integers, how to read them stays on its parameter (`_keep_int_source`).
 
     A name is renamed (prefixes, then the model's regex renames), then matched as an expert
     tensor (`expert_target`: only this rank's experts are read) before the packed-module
@@ -224,6 +233,8 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
                 except ValueError as e:
                     raise ValueError(f"cannot load weight {stored} from {path.name}: {e}"
                                      ) from None
+                if keep_integers:
+                    _keep_int_source(param, f, stored, shard_id)
                 loaded.add(name)
     if unexpected:
         logger.warning("ignored %d checkpoint tensors the model does not use: %s",
@@ -231,6 +242,19 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
     missing = _missing(model, packed, loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")
+
+
+def _keep_int_source(param: nn.Parameter, f, stored: str, shard_id: str | int | None) -> None:
+    """Where the checkpoint holds `stored` as integers (`int_weight_source`: a GGUF's quant
+    types), record how to read them on the parameter (`int_weights.attach`), for a platform
+    whose integer kernels pack it when the model is bound. Whole weights only (no tensor
+    parallelism): a rank's rows or columns would need their groups cut to match."""
+    source = getattr(f, "int_weight_source", None)
+    if source is None or get_tp_size() != 1:
+        return
+    read = source(stored)
+    if read is not None:
+        int_weights.attach(param, shard_id, read)
 
 
 def _checkpoints(files: list[Path], quantization: dict[str, Any] | None):

@@ -42,6 +42,8 @@ from enum import IntEnum
 
 import torch
 
+from aserve.quantization.int_weights import IntWeight
+
 QK_K = 256  # values in a K-quant super-block
 
 
@@ -312,6 +314,112 @@ _DEQUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.Q6_K: _dequant_q6_k,
     GGMLType.Q8_K: _dequant_q8_k,
 }
+
+
+# --- The integer form (`int_weights.IntWeight`): value = scale * q + min per group -------------
+# Each returns, for n blocks, q (n, groups, G) uint8, scale and min (n, groups) float32, such that
+# scale * q + min is the value `dequantize` computes, exactly.
+
+IntParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _offset(q: torch.Tensor, d: torch.Tensor, zero: int) -> IntParts:
+    """value = d * (q - zero), one group a block."""
+    return q.unsqueeze(1), d, d * -zero
+
+
+def _int_q8_0(blocks: torch.Tensor) -> IntParts:
+    q = (blocks[:, 2:].view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
+    return _offset(q, _f16(blocks, 0), 128)
+
+
+def _int_q4_0(blocks: torch.Tensor) -> IntParts:
+    return _offset(_q4_values(blocks[:, 2:]), _f16(blocks, 0), 8)
+
+
+def _int_q4_1(blocks: torch.Tensor) -> IntParts:
+    return _q4_values(blocks[:, 4:]).unsqueeze(1), _f16(blocks, 0), _f16(blocks, 2)
+
+
+def _int_q5_0(blocks: torch.Tensor) -> IntParts:
+    return _offset(_q5_values(blocks[:, 2:6], blocks[:, 6:]), _f16(blocks, 0), 16)
+
+
+def _int_q5_1(blocks: torch.Tensor) -> IntParts:
+    q = _q5_values(blocks[:, 4:8], blocks[:, 8:])
+    return q.unsqueeze(1), _f16(blocks, 0), _f16(blocks, 2)
+
+
+def _int_q2_k(blocks: torch.Tensor) -> IntParts:
+    n, scales = blocks.shape[0], blocks[:, :16]
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    q = _bits(blocks[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16)
+    return q, d * (scales & 0x0F).float(), -(dmin * (scales >> 4).float())
+
+
+def _int_q3_k(blocks: torch.Tensor) -> IntParts:
+    n = blocks.shape[0]
+    dl = _f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]).float()
+    low = _bits(blocks[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 8, 32)
+    q = low | (_bits(blocks[:, :32], 1) << 2)  # value = dl * (q - 4)
+    return q.reshape(n, 16, 16), dl, dl * -4
+
+
+def _int_k(blocks: torch.Tensor, q: torch.Tensor) -> IntParts:
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    return q, d * sc.float(), -(dmin * mn.float())
+
+
+def _int_q4_k(blocks: torch.Tensor) -> IntParts:
+    n = blocks.shape[0]
+    return _int_k(blocks, _nibbles(blocks[:, 16:].reshape(n, 4, 32)).reshape(n, 8, 32))
+
+
+def _int_q5_k(blocks: torch.Tensor) -> IntParts:
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)
+    return _int_k(blocks, low | (_bits(blocks[:, 16:48], 1) << 4))
+
+
+def _int_q6_k(blocks: torch.Tensor) -> IntParts:
+    n = blocks.shape[0]
+    low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 2, 128)
+    high = _bits(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 2, 128)
+    dl = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()
+    return (low | (high << 4)).reshape(n, 16, 16), dl, dl * -32
+
+
+_INT: dict[GGMLType, tuple[int, Callable[[torch.Tensor], IntParts]]] = {  # (bits, parts)
+    GGMLType.Q8_0: (8, _int_q8_0), GGMLType.Q4_0: (4, _int_q4_0), GGMLType.Q4_1: (4, _int_q4_1),
+    GGMLType.Q5_0: (5, _int_q5_0), GGMLType.Q5_1: (5, _int_q5_1), GGMLType.Q2_K: (2, _int_q2_k),
+    GGMLType.Q3_K: (3, _int_q3_k), GGMLType.Q4_K: (4, _int_q4_k), GGMLType.Q5_K: (5, _int_q5_k),
+    GGMLType.Q6_K: (6, _int_q6_k),
+}
+
+
+def has_int_form(qtype: int | str) -> bool:
+    """Whether `int_weight` gives tensors of this type an integer form."""
+    return as_ggml_type(qtype) in _INT
+
+
+def int_weight(raw: torch.Tensor, qtype: int | str, shape: Sequence[int],
+               name: str = "tensor") -> IntWeight | None:
+    """The integer form (`int_weights.IntWeight`) of a 2-D weight stored in `raw` (as
+    `dequantize` takes it), or None for a float type (F32, F16, BF16) or Q8_K, which have
+    none."""
+    t = check_supported(qtype, name)
+    if t not in _INT or len(shape) != 2:
+        return None
+    if raw.numel() != nbytes(t, shape):
+        raise ValueError(f"{t.name} tensor {name!r} of shape {tuple(shape)} needs "
+                         f"{nbytes(t, shape)} bytes, got {raw.numel()}")
+    bits, parts = _INT[t]
+    q, scale, low = parts(raw.reshape(-1, BLOCK_SIZES[t][1]))
+    rows, cols = shape
+    group = q.shape[-1]
+    return IntWeight(q.reshape(rows, cols), scale.reshape(rows, cols // group),
+                     low.expand_as(scale).reshape(rows, cols // group), group, bits)
 
 
 def nbytes(qtype: int | str, shape: Sequence[int]) -> int:

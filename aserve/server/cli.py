@@ -58,6 +58,9 @@ ENGINE_HELP = {
              "built-in demo model, served as aserve-demo)",
     "tokenizer": "tokenizer directory or hub id (default: the model's)",
     "dtype": "auto (config.json's) | float32 | bfloat16 | float16",
+    "dequantize": "a quantized model (GGUF) runs on floats of --dtype, dequantized at load, "
+                  "instead of keeping its weights as integers for the int4 / int8 GEMM where "
+                  "the CPU has one (the float reference path)",
     "max_model_len": "longest prompt + completion in tokens (default: the model's maximum)",
     "max_num_seqs": "most requests running at once",
     "max_num_batched_tokens": "token budget of one engine step (decodes + prefill chunks) "

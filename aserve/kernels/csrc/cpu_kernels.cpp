@@ -20,6 +20,7 @@
 #include "attention_rows.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "qgemm.h"
 #include "decoder_layer.h"
 #include "moe.h"
 // clang-format on
@@ -41,6 +42,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(gemm_amx);
   ASERVE_DEF(gemm_pack);
   ASERVE_DEF(gemm_linear);
+  ASERVE_DEF(qgemm_supported);
+  ASERVE_DEF(qgemm_pack);
+  ASERVE_DEF(qgemm_rows);
+  ASERVE_DEF(qgemm_linear);
   ASERVE_DEF(decoder_layer);
   ASERVE_DEF(fused_moe);
   // A class, so its method cannot go through wrap_pybind_function_no_gil: the GIL is released

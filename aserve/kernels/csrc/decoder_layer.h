@@ -21,6 +21,7 @@
 #include "attention_rows.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "qgemm.h"
 
 static inline c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
@@ -48,7 +49,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
     rms_norm(x, residual, w[kInNorm], eps);
   }
   const int64_t T = x.size(0), hq = n[kHeads], hkv = n[kKvHeads], d = n[kHeadDim];
-  torch::Tensor qkv = gemm_linear(x, w[kQkv], n[kQkvOut], bias_of(w[kQkvBias]), kPlain);
+  torch::Tensor qkv = packed_linear(x, w[kQkv], n[kQkvOut], bias_of(w[kQkvBias]), kPlain);
   rope(positions, qkv.narrow(1, 0, (hq + hkv) * d), w[kCos], w[kSin], d, n[kRotary]);
   store_kv(qkv.narrow(1, hq * d, hkv * d).view({T, hkv, d}),
            qkv.narrow(1, (hq + hkv) * d, hkv * d).view({T, hkv, d}), w[kKCache], w[kVCache],
@@ -58,11 +59,11 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
   if (plan[1].size(0) > 0)
     attend_rows(qkv.narrow(1, 0, hq * d).view({T, hq, d}), w[kKCache], w[kVCache], plan[0],
                 plan[1], attn, scale, n[kWindow], soft_cap, c10::nullopt);  // no sinks here
-  torch::Tensor o = gemm_linear(attn.view({T, hq * d}), w[kO], n[kOOut], bias_of(w[kOBias]),
+  torch::Tensor o = packed_linear(attn.view({T, hq * d}), w[kO], n[kOOut], bias_of(w[kOBias]),
                                 kPlain);
   rms_norm(o, residual, w[kPostNorm], eps);
-  torch::Tensor act = gemm_linear(o, w[kGateUp], n[kGateUpOut], c10::nullopt, kGatedSilu);
-  return {gemm_linear(act, w[kDown], n[kDownOut], bias_of(w[kDownBias]), kPlain), residual};
+  torch::Tensor act = packed_linear(o, w[kGateUp], n[kGateUpOut], c10::nullopt, kGatedSilu);
+  return {packed_linear(act, w[kDown], n[kDownOut], bias_of(w[kDownBias]), kPlain), residual};
 }
 
 // A run of decoder layers (a model's, or a pipeline stage's share) bound once, so that a step

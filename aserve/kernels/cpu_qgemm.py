@@ -1,0 +1,121 @@
+"""Weight-only int8 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight stays
+in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group), packed
+once at load into the bf16 GEMM's panels of 48 outputs, 4 or 8 bits a value plus an fp16 scale
+and min per group and output; activations are quantized to int8 per row and group as each GEMM
+starts, and `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
+
+A decode step streams every weight once, so its time is bytes / bandwidth: int4 streams about
+a third of bf16's bytes (4 bits + 32 bits of scale and min a group of 32), int8 about half.
+
+`reference` is the kernel's torch twin: the same activation quantization, bit for bit, and the
+same integer sums, combined per group in float32 (the kernel fuses multiply-adds, so the two
+agree to float32 rounding before the output's one bf16 rounding). Where the CPU lacks
+AVX512-VNNI or AVX512-BF16 (`available()` False), quantized weights are dequantized to bf16 at
+load instead (`backends.cpu_ops`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aserve.kernels import cpu_extension
+from aserve.kernels.cpu_gemm import (
+    EPILOGUE_FLOAT,
+    EPILOGUE_GATED_SILU,
+    EPILOGUE_GATED_SPLIT,
+    EPILOGUE_PLAIN,
+)
+from aserve.quantization.int_weights import IntWeight
+
+
+def _module():
+    return cpu_extension.load()
+
+
+def available() -> bool:
+    """Whether this CPU build has the VNNI weight-only GEMM."""
+    module = _module()
+    return module is not None and module.qgemm_supported()
+
+
+def storage_bits(bits: int) -> int:
+    """The bits a packed value takes: 4 for values of up to 4 bits, else 8."""
+    return 4 if bits <= 4 else 8
+
+
+class QuantPackedWeight:
+    """An integer weight in the kernel's layout; `linear(x, bias)` applies it, as
+    `cpu_gemm.PackedWeight` does a bf16 one (`gated`: [gate; up], for `silu_and_mul`)."""
+
+    def __init__(self, weight: IntWeight, gated: bool = False) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.gated, self.group, self.bits = gated, weight.group, storage_bits(weight.bits)
+        self.data = _module().qgemm_pack(weight.q.contiguous(), weight.scale.half(),
+                                         weight.min.half(), self.bits, gated)
+
+    @staticmethod
+    def supports(weight: IntWeight) -> bool:
+        rows, cols = weight.shape
+        return (weight.group % 16 == 0 and cols % weight.group == 0 and rows > 0
+                and bool(torch.isfinite(weight.scale.half()).all())
+                and bool(torch.isfinite(weight.min.half()).all()) and available())
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., N] bf16."""
+        return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)
+
+    def linear_float(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(x, bias).float()` in one pass."""
+        assert not self.gated, "a gated weight has no plain float output"
+        return self._apply(x, bias, EPILOGUE_FLOAT)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gated, "silu_and_mul needs a weight packed gated"
+        return self._apply(x, None, EPILOGUE_GATED_SILU)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (float32 [len(index), K], scale * q + min with the fp16 scale
+        and min it stores), read back from the packed layout."""
+        return _module().qgemm_rows(self.data, self.out_features, self.in_features, self.gated,
+                                    index.reshape(-1).long())
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = _module().qgemm_linear(rows, self.data, self.out_features, bias, epilogue)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def quantize_activations(x: torch.Tensor, group: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int8 [M, K], xs, xsum float32 [M, K / group]) as the kernel computes
+    them: xq = round-half-even(x * (127 / amax)) per row and group (0 where amax is 0),
+    xs = amax / 127, xsum = xs * sum(xq)."""
+    rows, cols = x.shape
+    xg = x.float().reshape(rows, cols // group, group)
+    amax = xg.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    xq = (xg * inv.unsqueeze(-1)).round().clamp(-128, 127)
+    xs = amax / torch.tensor(127.0)
+    xsum = xs * xq.sum(-1)
+    return xq.to(torch.int8).reshape(rows, cols), xs, xsum
+
+
+def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """The kernel's float32 result for x [M, K] (before its bf16 rounding; bias added), with
+    `weight`'s scale and min rounded to fp16 as the packed layout stores them."""
+    rows, cols = x.shape
+    group, groups = weight.group, cols // weight.group
+    xq, xs, xsum = quantize_activations(x, group)
+    q = weight.q.to(torch.int32).reshape(-1, groups, group)
+    dots = torch.einsum("mgk,ngk->mgn", xq.to(torch.int32).reshape(rows, groups, group),
+                        q).float()  # exact: |sum| < 2^31
+    scale, low = weight.scale.half().float(), weight.min.half().float()
+    acc = torch.zeros(rows, q.shape[0])
+    for g in range(groups):
+        acc = acc + (dots[:, g] * xs[:, g:g + 1]) * scale[:, g] + low[:, g] * xsum[:, g:g + 1]
+    return acc if bias is None else acc + bias.float()

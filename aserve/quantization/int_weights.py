@@ -1,0 +1,111 @@
+"""A quantized weight in the one integer form every quantized kernel takes:
+
+    W[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group],    0 <= q < 2 ** bits
+
+Every GGUF quant type (`gguf_quants.int_weight`), AWQ and GPTQ without act-order
+(`min = -scale * zero`) and compressed-tensors' int checkpoints are exactly this. The loader keeps,
+beside each float weight it dequantized, how to get its integer form (`attach` / `merged`), so
+that a platform with integer kernels packs the weight from it and never re-quantizes a float.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from math import gcd
+
+import torch
+
+SHARDS = "quantized_shards"  # the attribute `attach` sets on a parameter
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    q: torch.Tensor  # uint8 [rows, cols]
+    scale: torch.Tensor  # float32 [rows, cols // group]
+    min: torch.Tensor  # float32 [rows, cols // group]
+    group: int
+    bits: int  # of a value: 2..8
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight."""
+        rows, cols = self.q.shape
+        q = self.q.float().view(rows, cols // self.group, self.group)
+        return (q * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(rows, cols)
+
+    def regroup(self, group: int) -> IntWeight:
+        """The same weight with groups of `group` (a divisor of this one's): scales repeated."""
+        if group == self.group:
+            return self
+        assert self.group % group == 0, (self.group, group)
+        times = self.group // group
+        return IntWeight(self.q, self.scale.repeat_interleave(times, dim=1),
+                         self.min.repeat_interleave(times, dim=1), group, self.bits)
+
+    def rows(self, index: torch.Tensor) -> IntWeight:
+        """The weight with its rows reordered (`index`: the new order)."""
+        return IntWeight(self.q[index], self.scale[index], self.min[index], self.group,
+                         self.bits)
+
+    @staticmethod
+    def concat(parts: Sequence[IntWeight]) -> IntWeight:
+        """Parts stacked by rows (q; k; v or gate; up), in the finest group and most bits any
+        part has; ValueError where their columns differ or no group fits them all."""
+        cols = {p.shape[1] for p in parts}
+        if len(cols) != 1:
+            raise ValueError(f"parts of {sorted(cols)} columns")
+        group = 0
+        for p in parts:
+            group = gcd(group, p.group)
+        if group % 16:
+            raise ValueError(f"groups {[p.group for p in parts]} share no multiple of 16")
+        parts = [p.regroup(group) for p in parts]
+        return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                         torch.cat([p.min for p in parts]), group, max(p.bits for p in parts))
+
+
+Source = Callable[[], "IntWeight | None"]  # reads a shard's integer form when asked
+
+
+def attach(param: torch.nn.Parameter, shard_id: str | int | None, source: Source) -> None:
+    """Record where the integer form of `param`'s shard `shard_id` comes from."""
+    shards = getattr(param, SHARDS, None)
+    if shards is None:
+        shards = {}
+        setattr(param, SHARDS, shards)
+    shards[shard_id] = source
+
+
+def merged(param: torch.nn.Parameter) -> Callable[[], IntWeight | None] | None:
+    """How to read `param`'s whole integer form (its shards in row order: q, k, v; 0, 1, ...),
+    or None where the loader recorded none. The reader returns None where a shard has no
+    integer form (a float tensor) or the parts do not stack."""
+    shards = getattr(param, SHARDS, None)
+    if not shards:
+        return None
+    if set(shards) <= {"q", "k", "v"}:
+        order = [s for s in ("q", "k", "v") if s in shards]
+    else:
+        order = sorted(shards, key=lambda s: -1 if s is None else s)
+
+    def read() -> IntWeight | None:
+        parts = [shards[s]() for s in order]
+        if any(p is None for p in parts):
+            return None
+        try:
+            whole = parts[0] if len(parts) == 1 else IntWeight.concat(parts)
+        except ValueError:
+            return None
+        return whole if tuple(whole.shape) == tuple(param.shape) else None
+
+    return read
+
+
+def release(param: torch.nn.Parameter) -> None:
+    """Forget the recorded sources (what they hold open goes with them)."""
+    if hasattr(param, SHARDS):
+        delattr(param, SHARDS)
