@@ -188,6 +188,9 @@ class ModelInfo:
     # What a KV block's bytes depend on (the model's weights and config, dtype, block size,
     # the tensor-parallel layout): KV stored under another key is never loaded here.
     kv_cache_key: str = ""
+    # What quantization runs (None: a float checkpoint): the checkpoint's method or GGUF
+    # types, and how its weights run (the integer GEMM, or dequantized to the dtype)
+    quantization: str | None = None
 
 
 MOE_COMBINES = ("all-reduce", "all-to-all")  # how expert-parallel outputs meet

@@ -181,7 +181,7 @@ def _log_quantized(packed: list[PackedLinear | None]) -> None:
     quantized = [p for p in packed if isinstance(p, QuantPackedWeight)]
     if not quantized:
         return
-    kinds = Counter(f"int{p.bits} g{p.group}" for p in quantized)
+    kinds = Counter(p.quantization for p in quantized)
     logger.info("quantized GEMM (AVX512-VNNI): %d of %d linear weights kept as integers (%s), "
                 "%.1f MB; the rest bf16", len(quantized), len(packed),
                 ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())),

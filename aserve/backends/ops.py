@@ -96,7 +96,8 @@ class LinearToPack(NamedTuple):
 
 
 class PackedLinear(Protocol):
-    """A weight [N, K] in a platform's GEMM layout (the loaded weight is then dropped)."""
+    """A weight [N, K] in a platform's GEMM layout (the loaded weight is then dropped); one
+    kept as integers says how in `quantization` (e.g. "int4 g32"; /v1/models reports it)."""
 
     gated: bool  # [gate; up] packed so that `silu_and_mul` comes out of the GEMM
 

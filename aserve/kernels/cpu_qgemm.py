@@ -64,6 +64,11 @@ class QuantPackedWeight:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    @property
+    def quantization(self) -> str:
+        """How it runs, as /v1/models says it: e.g. "int4 g32"."""
+        return f"int{self.bits} g{self.group}"
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] bf16 -> [..., N] bf16."""
         return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)

@@ -54,14 +54,27 @@ def bind_ops(model: nn.Module, ops: KernelOps) -> int:
         if isinstance(module, PreparedLayer):
             module.prepare()
     linears = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    shared = {id(m.weight) for m in linears}
+    # an embedding a quantized checkpoint holds as integers, not tied to a head: packed too,
+    # where the platform's packed weight reads rows back (`use_packed_rows`)
+    embeddings = [m for m in model.modules() if hasattr(m, "use_packed_rows")
+                  and not isinstance(m, PackableLinear) and id(m.weight) not in shared
+                  and merged(m.weight) is not None]
     if ops.pack_linears is None:
-        for module in linears:
+        for module in linears + embeddings:
             release(module.weight)
         return 0
     packed = ops.pack_linears([LinearToPack(m.weight.data, m.pack_gated, merged(m.weight))
-                               for m in linears])
-    for module, weight in zip(linears, packed, strict=True):
+                               for m in linears]
+                              + [LinearToPack(m.weight.data, False, merged(m.weight))
+                                 for m in embeddings])
+    for module, weight in zip(linears + embeddings, packed, strict=True):
         release(module.weight)  # what the loader kept of a quantized checkpoint
-        if weight is not None:
+        if weight is None:
+            continue
+        if module in embeddings:
+            if hasattr(weight, "rows"):
+                module.use_packed_rows(weight)
+        else:
             module.set_packed(weight)
-    return sum(weight is not None for weight in packed)
+    return sum(weight is not None for weight in packed[:len(linears)])

@@ -31,6 +31,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.packed_rows = None  # see `use_packed_rows`
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
                       shard_id: str | int | None = None) -> None:
@@ -41,7 +42,16 @@ class VocabEmbedding(nn.Module):
         param.data.zero_()
         param.data[:rows].copy_(loaded.narrow(0, self.vocab_start, rows))
 
+    def use_packed_rows(self, packed) -> None:
+        """Look rows up in a packed weight that reads them back (`rows(ids)`: a quantized
+        checkpoint's embedding kept as integers), dropping the float copy (tp = 1)."""
+        self.packed_rows, self.rows_dtype = packed, self.weight.dtype
+        self.weight.data = self.weight.data.new_empty(0)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed_rows is not None:
+            rows = self.packed_rows.rows(input_ids).to(self.rows_dtype)
+            return rows.view(*input_ids.shape, -1)  # [T, embedding_dim]
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)  # [T, embedding_dim]
         local = input_ids - self.vocab_start  # [T]
@@ -69,6 +79,15 @@ class LMHead(VocabEmbedding, PackableLinear):
     def tie_to(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (tied word embeddings)."""
         self.weight = embedding.weight
+        self.tied_embedding = embedding
+
+    def set_packed(self, packed) -> None:
+        """Packed beside the weight; a packed weight that reads rows back (integers) serves a
+        tied embedding's lookups too, and the float weight goes."""
+        super().set_packed(packed)
+        embedding = getattr(self, "tied_embedding", None)
+        if embedding is not None and hasattr(packed, "rows"):
+            embedding.use_packed_rows(packed)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] logits: the weight's dtype, or (a packed weight) the

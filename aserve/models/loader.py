@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -61,15 +62,42 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
                  keep_integers=not model_config.dequantize)
-    if quantization or "gguf" in config:
-        source = (f"quantization {quantization.get('quant_method')}" if quantization else
-                  f"GGUF {config['gguf']['file']} "
-                  f"({', '.join(f'{n} x{c}' for n, c in config['gguf']['tensor_types'].items())})")
+    source = quantization_source(config)
+    if source is not None:
         kept = ("" if model_config.dequantize or dtype == torch.float32 else
                 ", where no integer GEMM keeps the integers")
         logger.info("weights: %s, dequantized to %s at load%s", source,
                     str(dtype).split(".")[-1], kept)
     return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
+
+
+def quantization_source(config: dict[str, Any]) -> str | None:
+    """What a model directory's config.json says its checkpoint is quantized as: "gptq", or
+    a GGUF's file and tensor types; None for a float checkpoint."""
+    quantization, gguf = config.get("quantization_config"), config.get("gguf")
+    if quantization:
+        return str(quantization.get("quant_method"))
+    if gguf:
+        types = ", ".join(f"{n} x{c}" for n, c in gguf["tensor_types"].items())
+        return f"GGUF {gguf['file']} ({types})"
+    return None
+
+
+def describe_quantization(model: nn.Module, model_dir: str | Path, dtype: torch.dtype
+                          ) -> str | None:
+    """What quantization runs (/v1/models says it): the checkpoint's, and how its linear
+    weights run once bound: integer GEMMs (each packed weight's `quantization`, counted) or
+    dequantized to `dtype`. None for a float checkpoint."""
+    source = quantization_source(_read_json(Path(model_dir) / "config.json"))
+    if source is None:
+        return None
+    kinds = Counter(q for m in model.modules()
+                    if (q := getattr(getattr(m, "packed_weight", None), "quantization", None)))
+    name = str(dtype).removeprefix("torch.")
+    if not kinds:
+        return f"{source}; dequantized to {name}"
+    return (f"{source}; integer GEMM: " + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
+            + f" linear weights, the rest {name}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -44,14 +44,46 @@ ValueError naming the tensor and what is wrong.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+from aserve.quantization.int_weights import IntWeight
 
 GPTQ_BITS = (2, 3, 4, 8)
 AWQ_BITS = (4,)
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of a word holds column AWQ_PACK_ORDER[k]
 AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word is nibble AWQ_UNPACK_ORDER[j]
 GPTQ_ZERO_OFFSETS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> zero_offset
+
+
+@dataclass(frozen=True)
+class GroupedCodes:
+    """What GPTQ and AWQ tensors hold, unpacked: W[o, i] = (codes[i, o] - zeros[g, o]) *
+    scales[g, o] with g = groups[i]."""
+
+    codes: torch.Tensor  # [in, out], in [0, 2^bits)
+    zeros: torch.Tensor  # float32 [n_groups, out]
+    scales: torch.Tensor  # float32 [n_groups, out]
+    groups: torch.Tensor  # int64 [in]
+    bits: int
+
+    def dequantize(self) -> torch.Tensor:
+        w = (self.codes.float() - self.zeros[self.groups]) * self.scales[self.groups]
+        return w.t().contiguous()
+
+    def int_weight(self) -> IntWeight | None:
+        """scale * q + min per group of consecutive inputs (min = -scale * zero); None where
+        the groups are not consecutive runs of one size (GPTQ's act-order)."""
+        in_features, n_groups = self.codes.shape[0], self.scales.shape[0]
+        if in_features % n_groups:
+            return None
+        size = in_features // n_groups
+        if not torch.equal(self.groups.cpu(), torch.arange(in_features) // size):
+            return None
+        scale = self.scales.t().contiguous()
+        return IntWeight(self.codes.t().to(torch.uint8).contiguous(), scale,
+                         (-scale * self.zeros.t()).contiguous(), size, self.bits)
 
 
 def gptq_zero_offset(checkpoint_format: str | None) -> int:
@@ -191,6 +223,32 @@ def dequantize_gptq(
     be None only for sym=True, meaning the symmetric zero 2^(bits-1) (what vLLM's gptq_marlin
     assumes for sym checkpoints; a sym checkpoint's stored qzeros decode to the same value).
     """
+    return _gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
+                       sym=sym, zero_offset=zero_offset).dequantize()
+
+
+def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
+                    g_idx: torch.Tensor | None = None, *, bits: int = 4,
+                    group_size: int | None = None, sym: bool = True,
+                    zero_offset: int = 1) -> IntWeight | None:
+    """The integer form (`int_weights.IntWeight`) of GPTQ tensors (`dequantize_gptq`'s
+    arguments), or None with act-order (groups not in input order)."""
+    return _gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
+                       sym=sym, zero_offset=zero_offset).int_weight()
+
+
+def _gptq_codes(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor | None,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None = None,
+    *,
+    bits: int = 4,
+    group_size: int | None = None,
+    sym: bool = True,
+    zero_offset: int = 1,
+) -> GroupedCodes:
+    """GPTQ tensors -> their codes, zeros, scales and groups (arguments: `dequantize_gptq`)."""
     fmt = "gptq"
     _check_gptq(bits, zero_offset)
     _check_tensor(fmt, "qweight", qweight, "int32", 2)
@@ -239,9 +297,8 @@ def dequantize_gptq(
         )
         zeros = unpack_int32(qzeros, bits, dim=1) + zero_offset
 
-    codes = unpack_int32(qweight, bits, dim=0)  # [in, out]
-    w = (codes.float() - zeros.float()[groups]) * scales.float()[groups]
-    return w.t().contiguous()
+    return GroupedCodes(unpack_int32(qweight, bits, dim=0), zeros.float(), scales.float(),
+                        groups, bits)
 
 
 def pack_gptq(
@@ -296,6 +353,23 @@ def dequantize_awq(
 ) -> torch.Tensor:
     """AWQ GEMM tensors (layout in the module docstring) -> float32 W[out_features, in_features].
     group_size -1 means one group over all of in_features."""
+    return _awq_codes(qweight, qzeros, scales, group_size, bits).dequantize()
+
+
+def awq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                   group_size: int, bits: int = 4) -> IntWeight:
+    """The integer form (`int_weights.IntWeight`) of AWQ GEMM tensors."""
+    return _awq_codes(qweight, qzeros, scales, group_size, bits).int_weight()
+
+
+def _awq_codes(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    bits: int = 4,
+) -> GroupedCodes:
+    """AWQ GEMM tensors -> their codes, zeros, scales and groups."""
     fmt = "awq"
     _check_bits(fmt, bits, AWQ_BITS)
     _check_tensor(fmt, "qweight", qweight, "int32", 2)
@@ -316,9 +390,8 @@ def dequantize_awq(
     )
     codes = _awq_columns(unpack_int32(qweight, bits, dim=1), AWQ_UNPACK_ORDER)  # [in, out]
     zeros = _awq_columns(unpack_int32(qzeros, bits, dim=1), AWQ_UNPACK_ORDER)
-    zeros = zeros.float().repeat_interleave(group_size, dim=0)
-    w = (codes.float() - zeros) * scales.float().repeat_interleave(group_size, dim=0)
-    return w.t().contiguous()
+    groups = torch.arange(in_features, device=qweight.device) // group_size
+    return GroupedCodes(codes, zeros.float(), scales.float(), groups, bits)
 
 
 def pack_awq(

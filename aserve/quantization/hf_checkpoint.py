@@ -21,7 +21,7 @@ a ValueError naming it, before any weight is read.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +31,13 @@ from safetensors import safe_open
 from aserve.quantization.awq_gptq import (
     AWQ_BITS,
     GPTQ_BITS,
+    awq_int_weight,
     dequantize_awq,
     dequantize_gptq,
+    gptq_int_weight,
     gptq_zero_offset,
 )
+from aserve.quantization.int_weights import IntWeight
 
 METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 COMPANIONS = ("weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
@@ -146,6 +149,12 @@ class QuantizedCheckpoint:
 
     def _packed(self, module: str) -> torch.Tensor:
         """compressed-tensors pack-quantized: unsigned codes, offset 2 ** (bits - 1)."""
+        codes = self._packed_codes(module).float() - (1 << (self.packed_bits - 1))
+        scale = self._raw(f"{module}.weight_scale").float()
+        return codes * _expand(scale, codes.shape, module)
+
+    def _packed_codes(self, module: str) -> torch.Tensor:
+        """A pack-quantized weight's unsigned codes [rows, cols] (int32)."""
         packed = self._raw(f"{module}.weight_packed")
         rows, cols = (int(n) for n in self._raw(f"{module}.weight_shape").tolist())
         bits = self.packed_bits
@@ -155,11 +164,47 @@ class QuantizedCheckpoint:
                              f"{bits}-bit packing of a {rows} x {cols} weight.")
         shifts = torch.arange(per_word, dtype=torch.int32) * bits
         codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-        codes = codes.reshape(rows, -1)[:, :cols].float() - (1 << (bits - 1))
         if self._has(f"{module}.weight_zero_point"):
             raise ValueError(f"{module}: asymmetric pack-quantized weights are not supported.")
+        return codes.reshape(rows, -1)[:, :cols]
+
+    # ------------------------------------------------------------------ the integer forms
+
+    def int_weight_source(self, name: str) -> Callable[[], IntWeight | None] | None:
+        """How to read `name`'s integer form (`int_weights.IntWeight`) when a kernel packs it,
+        for GPTQ / AWQ, pack-quantized and int8 weights (the tensors it needs are read now:
+        the checkpoint closes after loading); None for float and fp8 weights."""
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight":
+            return None
+        if self._has(f"{module}.qweight"):
+            return self._gptq_awq_source(module)
+        if self._has(f"{module}.weight_packed"):
+            codes, bits = self._packed_codes(module), self.packed_bits
+            scale = self._raw(f"{module}.weight_scale").float()
+            return lambda: _grouped(codes, scale, 1 << (bits - 1), bits)
+        if (not self._has(name) or not self._has(f"{module}.weight_scale")
+                or self._handles[self._where[name]].get_slice(name).get_dtype() != "I8"):
+            return None  # (a float weight is not read twice)
+        weight = self._raw(name)
         scale = self._raw(f"{module}.weight_scale").float()
-        return codes * _expand(scale, codes.shape, module)
+        zero = (self._raw(f"{module}.weight_zero_point").float()
+                if self._has(f"{module}.weight_zero_point") else None)
+        return lambda: _grouped(weight.to(torch.int32) + 128, scale, 128, 8, zero)
+
+    def _gptq_awq_source(self, module: str) -> Callable[[], IntWeight | None]:
+        quant = self.quant
+        bits, group_size = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
+        t = {leaf: self._raw(f"{module}.{leaf}") for leaf in ("qweight", "qzeros", "scales",
+                                                              "g_idx")
+             if self._has(f"{module}.{leaf}")}
+        if self.method == "awq":
+            return lambda: awq_int_weight(t["qweight"], t["qzeros"], t["scales"], group_size,
+                                          bits=bits)
+        return lambda: gptq_int_weight(
+            t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"), bits=bits,
+            group_size=group_size, sym=bool(quant.get("sym", True)),
+            zero_offset=gptq_zero_offset(quant.get("checkpoint_format")))
 
     def _gptq_awq(self, module: str) -> torch.Tensor:
         get, quant = self._raw, self.quant
@@ -173,6 +218,26 @@ class QuantizedCheckpoint:
             get(f"{module}.qweight"), qzeros, get(f"{module}.scales"), g_idx, bits=bits,
             group_size=group_size, sym=bool(quant.get("sym", True)),
             zero_offset=gptq_zero_offset(quant.get("checkpoint_format")))
+
+
+def _grouped(codes: torch.Tensor, scale: torch.Tensor, offset: int, bits: int,
+             zero: torch.Tensor | None = None) -> IntWeight | None:
+    """W = (codes - offset - zero) * scale as an IntWeight, for a scale per tensor, output
+    channel or group of the input; None for other shapes (blocks)."""
+    rows, cols = codes.shape
+    if scale.numel() == 1 or (scale.numel() == rows and scale.dim() <= 2 and
+                              (scale.dim() < 2 or scale.shape[1] == 1)):
+        scale = scale.reshape(-1, 1).expand(rows, 1)
+    if scale.dim() != 2 or scale.shape[0] != rows or cols % scale.shape[1]:
+        return None
+    shift = torch.full_like(scale, float(offset))
+    if zero is not None:  # one per tensor, or one per scale
+        if zero.numel() not in (1, scale.numel()):
+            return None
+        shift = shift + (zero.reshape(()) if zero.numel() == 1 else zero.reshape(scale.shape))
+    scale = scale.contiguous()
+    return IntWeight(codes.to(torch.uint8).contiguous(), scale, (-scale * shift).contiguous(),
+                     cols // scale.shape[1], bits)
 
 
 def _expand(scale: torch.Tensor, shape: torch.Size, module: str) -> torch.Tensor:

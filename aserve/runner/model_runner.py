@@ -36,6 +36,7 @@ from aserve.kv_transfer import KVConnectorBase
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
+from aserve.models.loader import describe_quantization
 from aserve.runner.block_table import BlockTables
 from aserve.runner.grammar_masks import NO_MASKS, GrammarMasks, TokenMasks
 from aserve.runner.graphs import DecodeGraphs
@@ -102,6 +103,8 @@ class ModelRunner:
         # the layers once; linear weights packed where the platform packs them
         self.ops = platform.kernel_ops(self.arch.dtype)
         bind_ops(self.model, self.ops)
+        self.quantization = describe_quantization(self.model, model_config.model,
+                                                  self.arch.dtype)
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler(argmax=self.ops.argmax, random_sampling=self.ops.random_sampling,
                                top_p_candidates=self.ops.top_p_candidates)

@@ -77,6 +77,7 @@ class Worker:
             default_max_num_batched_tokens=self.platform.default_max_num_batched_tokens,
             layer_windows=arch.layer_windows,
             kv_cache_key=self.kv_cache_key,
+            quantization=self.runner.quantization,
         )
 
     def needs_profiling(self, kv_cache_memory: int | None) -> bool:

@@ -162,6 +162,7 @@ class ModelCard(BaseModel):
     owned_by: str = "aserve"
     root: str | None = None
     max_model_len: int | None = None
+    quantization: str | None = None  # what runs quantized, and how (None: float weights)
 
 
 class ModelList(BaseModel):

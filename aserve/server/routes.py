@@ -27,7 +27,8 @@ async def list_models(request: Request) -> Response:
     state = server_state(request)
     engine = running_engine(request)
     card = ModelCard(id=state.model_name, root=model_source(state.engine_args.model),
-                     max_model_len=engine.model_info.max_model_len)
+                     max_model_len=engine.model_info.max_model_len,
+                     quantization=engine.model_info.quantization)
     return JSONResponse(ModelList(data=[card]).model_dump())
 
 

@@ -60,6 +60,34 @@ def generate_ids(llm: LLM, prompts: list[list[int]], num_new: int = NUM_NEW) -> 
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def next_token_logprobs(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
+    """The log-probability of each token of `sequences` after the ones before it."""
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return torch.tensor([entry[token].logprob for s, out in zip(sequences, outs, strict=True)
+                         for token, entry in zip(s[1:], out.prompt_logprobs[1:], strict=True)])
+
+
+def scores_as_reference(path, prompts: list[list[int]], **fast) -> tuple[float, float, LLM]:
+    """How far a fast path's scoring of text strays from the float32 reference's: the mean
+    |log-probability difference| of the reference's own greedy continuations of `prompts`,
+    for `LLM(path, **fast)` and for plain bf16 (`dtype="bfloat16", dequantize=True`), and the
+    fast LLM (still running: the caller looks inside, then shuts it down)."""
+    reference = LLM(model=str(path), dtype="float32", max_model_len=256, warmup=False)
+    sequences = [p + ids for p, ids in zip(prompts, generate_ids(reference, prompts, 12),
+                                            strict=True)]
+    expected = next_token_logprobs(reference, sequences)
+    reference.engine_core.shutdown()
+    assert expected.abs().mean() > 1.0  # the text is not trivially predictable
+    bf16 = LLM(model=str(path), dtype="bfloat16", dequantize=True, max_model_len=256,
+               warmup=False)
+    bf16_error = (next_token_logprobs(bf16, sequences) - expected).abs().mean().item()
+    bf16.engine_core.shutdown()
+    llm = LLM(model=str(path), max_model_len=256, warmup=False, **fast)
+    error = (next_token_logprobs(llm, sequences) - expected).abs().mean().item()
+    return error, bf16_error, llm
+
+
 def _check_default(ref: Reference) -> None:
     assert generate_ids(LLM(ref.model_dir, dtype="float32"), ref.prompts) == ref.outputs
 

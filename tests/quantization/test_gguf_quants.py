@@ -27,8 +27,11 @@ from aserve.quantization.gguf_quants import (
     GGMLType,
     check_supported,
     dequantize,
+    has_int_form,
+    int_weight,
     nbytes,
 )
+from aserve.quantization.int_weights import IntWeight
 
 Q = gguf.GGMLQuantizationType
 
@@ -213,3 +216,50 @@ def test_unsupported_types_raise_naming_the_tensor(qtype):
         check_supported(qtype, "blk.3.ffn_down.weight")
     with pytest.raises(ValueError, match=r"'blk.3.ffn_down.weight'"):
         dequantize(torch.zeros(64, dtype=torch.uint8), qtype, (32,), name="blk.3.ffn_down.weight")
+
+
+VALUE_BITS = {GGMLType.Q8_0: 8, GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q5_0: 5,
+              GGMLType.Q5_1: 5, GGMLType.Q2_K: 2, GGMLType.Q3_K: 3, GGMLType.Q4_K: 4,
+              GGMLType.Q5_K: 5, GGMLType.Q6_K: 6}
+
+
+@pytest.mark.parametrize("qtype", sorted(FP16_FIELDS), ids=lambda t: t.name)
+def test_the_integer_form_is_the_dequantized_weight(qtype):
+    """scale * q + min per group equals llama.cpp's dequantization (float32 rounding aside:
+    Q6_K's scale * q may take 25 bits), with q in the type's bits and groups of its
+    (sub-)blocks, so the integer kernels compute on the file's own numbers."""
+    rng = np.random.default_rng(100 + int(qtype))
+    shape = (5, 2 * max(BLOCK_SIZES[qtype][0], 32))
+    raw = random_raw(qtype, shape, rng)
+    weight = int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, shape)
+    assert has_int_form(qtype) and weight.bits == VALUE_BITS[qtype]
+    assert weight.group == (16 if qtype in (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q6_K) else 32)
+    assert weight.q.dtype == torch.uint8 and int(weight.q.max()) < 2 ** weight.bits
+    assert int(weight.q.max()) == 2 ** weight.bits - 1  # every bit of the values is read
+    expected = reference(raw, qtype).reshape(shape)
+    torch.testing.assert_close(weight.dequantize(), expected, rtol=2 ** -23, atol=0)
+
+
+def test_float_types_have_no_integer_form():
+    for qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_K):
+        assert not has_int_form(qtype)
+        raw = random_raw(qtype, (2, 256), np.random.default_rng(0)) if qtype in FLOATS else \
+            np.zeros((2, 292), np.uint8)
+        assert int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (2, 256)) is None
+
+
+def test_parts_of_mixed_types_stack_in_the_finest_group_and_most_bits():
+    """Q4_K_M puts Q6_K beside Q4_K in one layer: q (Q4_K, groups of 32, 4 bits) and v (Q6_K,
+    groups of 16, 6 bits) stack as one weight of groups of 16 and 6 bits, values unchanged."""
+    rng = np.random.default_rng(7)
+    parts = []
+    for qtype, rows in ((GGMLType.Q4_K, 3), (GGMLType.Q6_K, 2)):
+        raw = random_raw(qtype, (rows, 512), rng)
+        parts.append(int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (rows, 512)))
+    both = IntWeight.concat(parts)
+    assert (both.group, both.bits, tuple(both.shape)) == (16, 6, (5, 512))
+    torch.testing.assert_close(both.dequantize(),
+                               torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="columns"):
+        IntWeight.concat([parts[0], IntWeight(parts[1].q[:, :256], parts[1].scale[:, :16],
+                                              parts[1].min[:, :16], 16, 6)])

@@ -206,3 +206,53 @@ def test_what_cannot_be_read_is_one_error_naming_it(model_dir_factory, tmp_path,
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
     with pytest.raises(ValueError, match=match):
         LLM(model=str(out), dtype="float32", max_model_len=64)
+
+
+INTEGER_CASES = ["ct-int8-channel", "ct-int4-group", "gptq", "awq"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_integer_form_is_the_dequantized_weight(model_dir_factory, tmp_path, case):
+    """What the integer kernels pack (`int_weight_source`) is the weight the float path
+    loads; GPTQ's act-order (groups not in input order) and fp8 have no integer form."""
+    from aserve.quantization.hf_checkpoint import QuantizedCheckpoint
+
+    quantize, config = CASES[case]
+    out, dequantized = quantized_copy(model_dir_factory("llama"), tmp_path / case, quantize,
+                                      config)
+    with QuantizedCheckpoint(sorted(out.glob("*.safetensors")), config) as f:
+        for module in ("self_attn.q_proj", "mlp.down_proj"):
+            name = f"model.layers.0.{module}.weight"
+            source = f.int_weight_source(name)
+            weight = source() if source is not None else None
+            if case not in INTEGER_CASES:
+                assert weight is None
+                continue
+            assert weight.group == (32 if "group" in case or "gptq" in case or case == "awq"
+                                    else dequantized[name].shape[1])
+            torch.testing.assert_close(weight.dequantize(), dequantized[name].float(),
+                                       rtol=1e-5, atol=1e-7)
+        assert f.int_weight_source("model.layers.0.input_layernorm.weight") is None
+
+
+@pytest.mark.parametrize("case", INTEGER_CASES + ["gptq-act-order"])
+def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path, case):
+    """In bf16, GPTQ / AWQ / compressed-tensors int weights stay as integers for the VNNI
+    GEMM and score text as the float reference does; act-order falls back to bf16."""
+    from helpers.parity import scores_as_reference
+
+    from aserve.kernels import cpu_qgemm
+    from aserve.kernels.cpu_gemm import PackedWeight
+    from aserve.kernels.cpu_qgemm import QuantPackedWeight
+
+    if not cpu_qgemm.available():
+        pytest.skip("the CPU or build lacks AVX512-VNNI / BF16")
+    quantize, config = CASES[case]
+    out, _ = quantized_copy(model_dir_factory("llama"), tmp_path / case, quantize, config)
+    error, bf16_error, fast = scores_as_reference(out, PROMPTS, dtype="bfloat16")
+    layer = fast.engine_core.executor.worker.runner.model.model.layers[0]
+    kinds = {type(m.packed_weight) for m in layer.modules()
+             if getattr(m, "packed_weight", None) is not None}
+    fast.engine_core.shutdown()
+    assert kinds == ({QuantPackedWeight} if case in INTEGER_CASES else {PackedWeight})
+    assert error < max(4 * bf16_error, 0.02), (error, bf16_error)

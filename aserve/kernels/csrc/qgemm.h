@@ -35,6 +35,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "gemm.h"
 
@@ -162,8 +163,9 @@ torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
 // amax is 0: cpu_qgemm.quantize_activations computes the same, bit for bit.
 static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G, int8_t* xq,
                           float* xs, float* xsum) {
-  const int64_t groups = K / G;
-  at::parallel_for(0, M * groups, 64, [&](int64_t begin, int64_t end) {
+  // a decode step's few rows in the calling thread: a parallel region costs more than they do
+  const int64_t groups = K / G, grain = std::max<int64_t>(1, (int64_t{1} << 16) / G);
+  at::parallel_for(0, M * groups, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const at::BFloat16* src = x + task * G;  // (row, group) = divmod(task, groups)
       __m512 amax = _mm512_setzero_ps();
@@ -281,14 +283,15 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto y = torch::empty({M, ldc}, x.options().dtype(epilogue == kPlainFloat ? at::kFloat
                                                                              : at::kBFloat16));
 #ifdef ASERVE_QGEMM
-  auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto xs = torch::empty({M, L.groups}, x.options().dtype(at::kFloat));
-  float* scales = xs.data_ptr<float>();
-  auto xsum = torch::empty({M, L.groups}, x.options().dtype(at::kFloat));
-  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, L.group, xq.data_ptr<int8_t>(), scales,
-                xsum.data_ptr<float>());
-  const int8_t* a = xq.data_ptr<int8_t>();
-  const float* sums = xsum.data_ptr<float>();
+  // the quantized activations in a scratch buffer of the calling thread, reused call to call
+  // (three tensors a GEMM cost a decode step more than their quantization did)
+  static thread_local std::vector<int64_t> scratch;
+  const int64_t floats = 2 * M * L.groups, words = (M * K + 7) / 8 + (floats + 1) / 2;
+  if (static_cast<int64_t>(scratch.size()) < words) scratch.resize(words);
+  float* scales = reinterpret_cast<float*>(scratch.data());
+  float* sums = scales + M * L.groups;
+  int8_t* a = reinterpret_cast<int8_t*>(scratch.data() + (floats + 1) / 2);
+  quantize_rows(x.data_ptr<at::BFloat16>(), M, K, L.group, a, scales, sums);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   char* c = static_cast<char*>(y.data_ptr());

@@ -1,0 +1,112 @@
+"""The VNNI int4 / int8 weight-only GEMM (`kernels/cpu_qgemm.py`, `csrc/qgemm.h`) against its
+torch twin `cpu_qgemm.reference`: the packing round-trips, every epilogue (plain with bias,
+float, gated split and SiLU) agrees to the output's one bf16 rounding, across bits, groups,
+row counts that cross the 4-row tile and the 64-row block, and widths that leave a panel
+partly empty; the twin itself is the float product up to int8 activation error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aserve.kernels import cpu_qgemm
+from aserve.kernels.cpu_qgemm import QuantPackedWeight, quantize_activations, reference
+from aserve.quantization.int_weights import IntWeight
+
+pytestmark = pytest.mark.skipif(not cpu_qgemm.available(),
+                                reason="the CPU or build lacks AVX512-VNNI / BF16")
+
+
+def int_weight(rows: int, cols: int, group: int, bits: int, seed: int = 0) -> IntWeight:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // group, generator=g) * 0.02 + 0.001
+    low = -torch.rand(rows, cols // group, generator=g) * 2 ** bits * 0.01
+    return IntWeight(q, scale, low, group, bits)
+
+
+def fp16_rounded(w: IntWeight) -> IntWeight:
+    return IntWeight(w.q, w.scale.half().float(), w.min.half().float(), w.group, w.bits)
+
+
+def assert_bf16_of(y: torch.Tensor, exact: torch.Tensor) -> None:
+    """y (bf16) is `exact` (float32) rounded once to bf16, give or take one bf16 step where
+    fused and separate roundings of the float sums part."""
+    step = exact.abs().clamp_min(1e-3) * 2 ** -7
+    assert ((y.float() - exact).abs() <= step).all(), (y.float() - exact).abs().max()
+    close = (y.float() == exact.bfloat16().float()).float().mean()
+    assert close > 0.95, close  # most bit-equal
+
+
+CASES = [  # rows, cols, group, bits (of a value), M
+    (96, 64, 32, 4, 1), (100, 128, 32, 8, 5), (49, 256, 16, 4, 3), (50, 256, 128, 6, 70),
+    (200, 96, 32, 2, 4), (48, 512, 64, 5, 9), (17, 32, 32, 8, 130)]
+
+
+@pytest.mark.parametrize("rows, cols, group, bits, m", CASES)
+def test_the_plain_gemm_is_its_twin(rows, cols, group, bits, m):
+    w = int_weight(rows, cols, group, bits)
+    packed = QuantPackedWeight(w)
+    assert packed.bits == (4 if bits <= 4 else 8)
+    x = torch.randn(m, cols).bfloat16()
+    bias = torch.randn(rows).bfloat16()
+    exact = reference(x, w, bias)
+    assert_bf16_of(packed.linear(x, bias), exact)
+    assert torch.equal(packed.linear_float(x, bias), packed.linear(x, bias).float())
+    assert_bf16_of(packed.linear(x.view(1, m, cols)).view(m, rows), reference(x, w))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_gated_weight_gives_gate_up_and_silu_and_mul(bits):
+    w = int_weight(2 * 72, 128, 32, bits, seed=1)  # d = 72: 3 half panels, the last partial
+    packed = QuantPackedWeight(w, gated=True)
+    x = torch.randn(6, 128).bfloat16()
+    split = packed.linear(x)
+    assert_bf16_of(split, reference(x, w))
+    gate, up = split.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).bfloat16().float()
+    got = packed.silu_and_mul(x).float()
+    assert ((got - expected).abs() <= expected.abs() * 2 ** -7 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows, cols, group, bits, m", CASES[:4])
+def test_the_packed_rows_read_back_as_the_weight(rows, cols, group, bits, m):
+    w = int_weight(rows, cols, group, bits)
+    for gated in (False, True) if rows % 2 == 0 else (False,):
+        packed = QuantPackedWeight(w, gated=gated)
+        index = torch.randperm(rows)[:7]
+        assert torch.equal(packed.rows(index), fp16_rounded(w).dequantize()[index])
+
+
+def test_the_twin_is_the_float_product_up_to_int8_activations():
+    w = int_weight(64, 256, 32, 4)
+    x = torch.randn(5, 256)
+    exact = x @ fp16_rounded(w).dequantize().T
+    twin = reference(x.bfloat16(), w)
+    error = (twin - x.bfloat16().float() @ fp16_rounded(w).dequantize().T).abs().max()
+    assert error < 0.02 * exact.abs().max()
+    assert error > 0  # the activations are quantized, not used as they are
+
+
+def test_activations_are_quantized_per_row_and_group():
+    x = torch.tensor([[1.0, -2.0] + [0.5] * 14 + [0.0] * 16, [254.0] + [1.0] * 31])
+    xq, xs, xsum = quantize_activations(x, 16)
+    assert xq[0, :3].tolist() == [64, -127, 32]  # 1 * 127/2 = 63.5 rounds to even
+    assert xq[0, 16:].abs().sum() == 0 and xs[0, 1] == 0  # a zero group
+    assert xq[1, :2].tolist() == [127, 0] and xq[1, 16:].tolist() == [127] * 16
+    assert torch.allclose(xsum, xs * xq.float().view(2, 2, 16).sum(-1))
+
+
+def test_what_the_kernel_cannot_take_is_refused():
+    w = int_weight(16, 96, 32, 4)
+    assert QuantPackedWeight.supports(w)
+    assert not QuantPackedWeight.supports(IntWeight(w.q, w.scale.repeat_interleave(4, 1),
+                                                    w.min.repeat_interleave(4, 1), 8, 4))
+    huge = IntWeight(w.q, w.scale * 1e8, w.min, 32, 4)  # past fp16
+    assert not QuantPackedWeight.supports(huge)
+    with pytest.raises(RuntimeError, match="does not fit 4 bits"):
+        QuantPackedWeight(IntWeight(w.q + 16, w.scale, w.min, 32, 4))
+    packed = QuantPackedWeight(w)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        packed.linear(torch.randn(2, 96))

@@ -1,0 +1,65 @@
+"""GGUF files on the quantized fast path: with --dtype bfloat16 (the default for them) the
+linear weights stay as integers for the VNNI GEMM (`cpu_qgemm.QuantPackedWeight`), inside the
+whole-layer C++ call, and the model scores text as its float reference does, within the
+int8-activation error that llama.cpp's own Q8 dot products have. `--dequantize` keeps the bf16
+path. (Token-for-token parity with HF is the float reference's: tests/models/test_gguf.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.gguf_models import write_gguf
+from helpers.parity import scores_as_reference
+
+from aserve import LLM
+from aserve.backends.cpu_block import CpuDecoderBlock
+from aserve.kernels import cpu_qgemm
+from aserve.kernels.cpu_gemm import PackedWeight
+from aserve.kernels.cpu_qgemm import QuantPackedWeight
+
+pytestmark = pytest.mark.skipif(not cpu_qgemm.available(),
+                                reason="the CPU or build lacks AVX512-VNNI / BF16")
+
+PROMPTS = [[5, 17, 33, 90, 4, 61, 7, 250, 11, 42, 43, 44, 45], [100, 200, 300]]
+K_QUANT_MODEL = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+@pytest.fixture(autouse=True)
+def gguf_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASERVE_CACHE", str(tmp_path / "cache"))
+
+
+def model_of(llm: LLM) -> torch.nn.Module:
+    return llm.engine_core.executor.worker.runner.model
+
+
+def packed_kinds(llm: LLM) -> set[type]:
+    return {type(m.packed_weight) for m in model_of(llm).modules()
+            if getattr(m, "packed_weight", None) is not None}
+
+
+@pytest.mark.parametrize("arch, qtype, overrides", [
+    ("llama", "Q4_1", {}), ("qwen2", "Q8_0", {}), ("llama", "Q4_K", K_QUANT_MODEL),
+    pytest.param("mistral", "Q6_K", K_QUANT_MODEL, marks=pytest.mark.slow),
+    pytest.param("qwen3", "Q5_0", {}, marks=pytest.mark.slow)])
+def test_the_fast_path_keeps_integers_and_scores_as_the_float_reference(
+        model_dir_factory, tmp_path, arch, qtype, overrides):
+    hf_dir = model_dir_factory(arch, **overrides)
+    path = write_gguf(hf_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)
+    error, bf16_error, fast = scores_as_reference(path, PROMPTS, dtype="bfloat16")
+    assert packed_kinds(fast) == {QuantPackedWeight}  # every linear, the LM head too
+    layer = model_of(fast).model.layers[0]
+    if getattr(layer.self_attn, "q_norm", None) is None:  # (qwen3's q/k norms run in Python)
+        assert CpuDecoderBlock.of(layer) is not None  # the whole-layer C++ call takes them
+    fast.engine_core.shutdown()
+    # int8 activations in groups cost about what bf16 activations do, never a broken weight's
+    # error (a weight's rows or groups misplaced moves these log-probabilities by whole nats)
+    assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
+
+
+def test_dequantize_keeps_the_bf16_path(model_dir_factory, tmp_path):
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "q.gguf", "Q8_0")
+    llm = LLM(model=str(path), dtype="bfloat16", dequantize=True, max_model_len=64,
+              warmup=False)
+    assert packed_kinds(llm) == {PackedWeight}
+    llm.engine_core.shutdown()
