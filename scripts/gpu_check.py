@@ -29,6 +29,11 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                fused_moe_ref on a Mixtral-ish bf16 layer (T=256, E=8, k=2,
                                H=1024, I=2816; tiny under the CPU interpreter): ms per call, the
                                first call (the build), each one's max error against float32
+    quant_gemm       40 / 180  pytest tests/kernels/test_quant_gemm_triton.py, then the Triton
+                               W4A16 / W8A16 GEMM (`quant_gemm_triton`) beside F.linear on
+                               the same weight in bf16, 4096 x 4096 in groups of 128 (tiny
+                               under the CPU interpreter), at 1 and 32 rows: ms per call, the
+                               weight bytes each reads, GB/s, the error against the twin
     parity          150 / 300  tiny random llama, qwen3, gemma2 (hybrid: a sliding and a full
                                KV group, soft-caps), mistral (W=7), mixtral, qwen2_moe and
                                gpt_oss (fused MoE; sinks) (tests/helpers/): greedy
@@ -90,6 +95,7 @@ BUDGETS = {
     "env": (20, 60),
     "kernel_tests": (130, 240),
     "fused_moe": (60, 240),
+    "quant_gemm": (40, 180),
     "parity": (150, 300),
     "graphs_vs_eager": (50, 180),
     "throughput": (140, 300),
@@ -516,6 +522,58 @@ def time_fused_moe(ctx: Context) -> dict:
     return result
 
 
+# ---------------------------------------------------------------- quant_gemm
+
+QUANT_TESTS = ["tests/kernels/test_quant_gemm_triton.py"]
+QUANT_SHAPES = {"cuda": (4096, 4096, 128), "cpu": (64, 128, 32)}  # (N, K, group)
+
+
+def section_quant_gemm(ctx: Context) -> None:
+    tests = ctx.step("tests", run_pytest, ctx, QUANT_TESTS, ctx.left() - 20)
+    timing = ctx.step("timing", time_quant_gemm, ctx)
+    line = "error" if "error" in timing else "; ".join(
+        f"{k}: {v['ms']} ms" for k, v in timing.items() if isinstance(v, dict) and "ms" in v)
+    ctx.result["summary"] = f"tests: {tests.get('counts', 'error')}; {line}"
+
+
+def time_quant_gemm(ctx: Context) -> dict:
+    """W4A16 and W8A16 beside F.linear in bf16 on one weight, at 1 and 32 rows: ms per call,
+    bytes of weight read, GB/s, max |error| against the float32 twin."""
+    if ctx.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+    import torch.nn.functional as F
+
+    from aserve.kernels.quant_gemm_triton import TritonQuantWeight, reference
+    from aserve.quantization.int_weights import IntWeight
+
+    device = "cpu" if ctx.device == "cpu" else "cuda"
+    n, k, group = QUANT_SHAPES[device]
+    gen = torch.Generator().manual_seed(0)
+    result = {"shape": dict(N=n, K=k, group=group), "device": device}
+    for bits in (4, 8):
+        q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
+        weight = IntWeight(q, torch.rand(n, k // group, generator=gen) * 0.01 + 1e-3,
+                           -torch.rand(n, k // group, generator=gen) * 0.05, group, bits)
+        packed = TritonQuantWeight(weight, device)
+        dense = IntWeight(q, weight.scale.half().float(), weight.min.half().float(), group,
+                          bits).dequantize().to(device=device, dtype=torch.bfloat16)
+        stored = packed.q.numel() + 2 * packed.scale.numel() * 2
+        for rows in (1, 32):
+            x = torch.randn(rows, k, generator=gen).to(device=device, dtype=torch.bfloat16)
+            for name, fn, nbytes in ((f"w{bits}a16_m{rows}", packed.linear, stored),
+                                     (f"bf16_m{rows}", lambda x, w=dense: F.linear(x, w),
+                                      dense.numel() * 2)):
+                if name in result:
+                    continue
+                timing = time_calls(fn, [x], 3 if device == "cpu" else 50, device)
+                timing["gb_s"] = round(nbytes / (timing["ms"] / 1e3) / 1e9, 1)
+                timing["max_abs_err"] = (fn(x).float().cpu() - reference(x.cpu(), weight)
+                                         ).abs().max().item()
+                result[name] = timing
+    return result
+
+
 def time_calls(fn, args: list, iters: int, device: str) -> dict:
     """The first call's seconds, then ms per call over `iters` calls (synchronised)."""
     import torch
@@ -850,7 +908,8 @@ def tp_one(ctx: Context, model_dir: Path) -> dict:
 # ---------------------------------------------------------------- entry points
 
 SECTIONS = {"env": section_env, "kernel_tests": section_kernel_tests,
-            "fused_moe": section_fused_moe, "parity": section_parity,
+            "fused_moe": section_fused_moe, "quant_gemm": section_quant_gemm,
+            "parity": section_parity,
             "graphs_vs_eager": section_graphs_vs_eager, "throughput": section_throughput,
             "tp": section_tp}
 

@@ -6,6 +6,10 @@
                  paged_attention_triton   rotary_triton     F.linear)
     float32      Triton, as above         references        torch                   fused_moe_triton
 
+A quantized checkpoint's linear weights (GGUF quant types, GPTQ, AWQ, compressed-tensors int)
+stay as integers for the Triton W4A16 / W8A16 GEMM (`quant_gemm_triton`) in bf16 / fp16; float
+weights stay with F.linear.
+
 The norm and RoPE wrappers keep the op's calling convention for every input: what the Triton
 kernel does not take (a non-contiguous tensor, [T, H, D] rows, int32 positions) goes to the
 reference. `fused_moe` makes a layer's expert weights contiguous once, after loading (not per
@@ -14,9 +18,11 @@ step).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps
+from aserve.backends.ops import ExpertWeights, FusedMoEFn, KernelOps, LinearToPack, PackedLinear
 from aserve.kernels.fused_moe_triton import fused_moe_triton
 from aserve.kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from aserve.kernels.rotary import rotary_ref, rotary_triton
@@ -30,7 +36,23 @@ def triton_kernel_ops(dtype: torch.dtype) -> KernelOps:
               "fused_moe": fused_moe}
     if dtype not in (torch.bfloat16, torch.float16):
         return KernelOps("triton", **common)
-    return KernelOps("triton-fused", **common, rms_norm=rms_norm, rope=rope)
+    return KernelOps("triton-fused", **common, rms_norm=rms_norm, rope=rope,
+                     pack_linears=pack_quantized)
+
+
+def pack_quantized(weights: Sequence[LinearToPack]) -> list[PackedLinear | None]:
+    """A quantized checkpoint's weights in the Triton GEMM's layout, on their device; None for
+    every other weight (it stays with F.linear)."""
+    from aserve.kernels.quant_gemm_triton import TritonQuantWeight
+
+    packed: list[PackedLinear | None] = []
+    for weight, _, quantized in weights:
+        int_weight = quantized() if quantized is not None else None
+        if int_weight is None or not TritonQuantWeight.supports(int_weight):
+            packed.append(None)
+        else:
+            packed.append(TritonQuantWeight(int_weight, weight.device))
+    return packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
