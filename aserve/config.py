@@ -168,6 +168,7 @@ class ModelConfig:
     # A quantized checkpoint's weights as floats of `dtype`, not kept as integers for the
     # platform's integer GEMM (the float reference path; float32 always is)
     dequantize: bool = False
+    quantization: str | None = None  # --quantization: checked against the checkpoint
 
     @property
     def tokenizer_path(self) -> str:

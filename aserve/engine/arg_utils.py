@@ -15,6 +15,7 @@ from aserve.config import (
     SchedulerConfig,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
+from aserve.quantization import QUANTIZATION_NAMES
 from aserve.quantization.gguf_file import (  # noqa: F401 (GGUFError, model_source: the server's)
     GGUFError,
     gguf_model_dir,
@@ -35,6 +36,9 @@ class EngineArgs:
     # A quantized checkpoint (GGUF) loaded as floats of `dtype` instead of kept as integers
     # for the integer GEMM where the platform has one (the float reference path)
     dequantize: bool = False
+    # The checkpoint's quantization method as vLLM names it (`--quantization`): None detects
+    # it; a name is checked against the checkpoint at load (aserve quantizes no float weights)
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     # Token budget of one step; None: the platform's (CPU 512, GPUs 4096), once it is known.
@@ -92,6 +96,9 @@ class EngineArgs:
         if self.model and is_gguf(self.model):  # served from a directory of its metadata
             self.served_model_name = self.served_model_name or self.model
             self.model = str(gguf_model_dir(self.model))
+        if self.quantization is not None and self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(f"quantization {self.quantization!r} is not a method aserve reads "
+                             f"(one of {', '.join(QUANTIZATION_NAMES)}).")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1.")
         self._check_sequence_parallel()
@@ -151,7 +158,7 @@ class EngineArgs:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
                            served_model_name=self.served_model_name,
-                           dequantize=self.dequantize)
+                           dequantize=self.dequantize, quantization=self.quantization)
 
     def worker_spec(self) -> WorkerSpec:
         """What every rank builds."""

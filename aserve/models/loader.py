@@ -35,7 +35,7 @@ from aserve.models.arch_config import ModelArchConfig
 from aserve.models.causal_lm import CausalLM
 from aserve.models.gguf_checkpoint import GGUFCheckpoint
 from aserve.models.registry import get_model_class
-from aserve.quantization import int_weights
+from aserve.quantization import QUANTIZATION_ALIASES, int_weights
 from aserve.quantization.gguf_file import LINK_NAME as GGUF_LINK
 from aserve.quantization.hf_checkpoint import QuantizedCheckpoint
 
@@ -59,11 +59,14 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
     config = _read_json(model_dir / "config.json")
+    check_requested_quantization(model_config.quantization, config)
     quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
                  keep_integers=not model_config.dequantize)
     source = quantization_source(config)
     if source is not None:
+        if "gguf" in config:
+            source = source.replace("GGUF", f"GGUF {config['gguf']['file']}", 1)
         kept = ("" if model_config.dequantize or dtype == torch.float32 else
                 ", where no integer GEMM keeps the integers")
         logger.info("weights: %s, dequantized to %s at load%s", source,
@@ -71,15 +74,29 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     return model.eval(), replace(arch, dtype=dtype)  # the dtype it runs in, not config.json's
 
 
+def check_requested_quantization(requested: str | None, config: dict[str, Any]) -> None:
+    """`--quantization` against the checkpoint: ValueError where they differ, or where a name
+    is given for a float checkpoint (vLLM would quantize it at load; aserve does not)."""
+    if requested is None:
+        return
+    quant = config.get("quantization_config")
+    method = "gguf" if config.get("gguf") else (quant or {}).get("quant_method")
+    if method is None:
+        raise ValueError(f"--quantization {requested}: the checkpoint is not quantized, and "
+                         "aserve does not quantize float weights at load.")
+    if QUANTIZATION_ALIASES.get(requested, requested) != method:
+        raise ValueError(f"--quantization {requested} does not match the checkpoint's "
+                         f"quantization method {method!r}.")
+
+
 def quantization_source(config: dict[str, Any]) -> str | None:
     """What a model directory's config.json says its checkpoint is quantized as: "gptq", or
-    a GGUF's file and tensor types; None for a float checkpoint."""
+    a GGUF's tensor types; None for a float checkpoint."""
     quantization, gguf = config.get("quantization_config"), config.get("gguf")
     if quantization:
         return str(quantization.get("quant_method"))
     if gguf:
-        types = ", ".join(f"{n} x{c}" for n, c in gguf["tensor_types"].items())
-        return f"GGUF {gguf['file']} ({types})"
+        return "GGUF (" + ", ".join(f"{n} x{c}" for n, c in gguf["tensor_types"].items()) + ")"
     return None
 
 

@@ -58,6 +58,9 @@ ENGINE_HELP = {
              "built-in demo model, served as aserve-demo)",
     "tokenizer": "tokenizer directory or hub id (default: the model's)",
     "dtype": "auto (config.json's) | float32 | bfloat16 | float16",
+    "quantization": "the checkpoint's quantization method as vLLM names it (gguf, gptq, awq, "
+                    "compressed-tensors, fp8; awq_marlin, gptq_marlin); checked against the "
+                    "checkpoint (default: read from it; aserve quantizes no float weights)",
     "dequantize": "a quantized model (GGUF) runs on floats of --dtype, dequantized at load, "
                   "instead of keeping its weights as integers for the int4 / int8 GEMM where "
                   "the CPU has one (the float reference path)",

@@ -244,3 +244,4 @@ def test_v1_models_names_the_gguf_file_as_its_root(model_dir_factory, tmp_path):
     with serving(build_app(EngineArgs(model=str(path), dtype="float32", max_model_len=64))) as url:
         [card] = httpx.get(f"{url}/v1/models").json()["data"]
     assert card["id"] == str(path) and card["root"] == str(path.resolve())
+    assert card["quantization"] == "GGUF (Q8_0 x16, F32 x5); dequantized to float32"

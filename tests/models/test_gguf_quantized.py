@@ -63,3 +63,41 @@ def test_dequantize_keeps_the_bf16_path(model_dir_factory, tmp_path):
               warmup=False)
     assert packed_kinds(llm) == {PackedWeight}
     llm.engine_core.shutdown()
+
+
+def test_v1_models_and_the_log_say_what_runs_quantized(model_dir_factory, tmp_path, caplog):
+    import logging
+
+    import httpx
+    from helpers.server import serving
+
+    from aserve.engine.arg_utils import EngineArgs
+    from aserve.server import build_app
+
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q4_0")
+    logger = logging.getLogger("aserve.backends.cpu_ops")  # (its own handler, as in
+    logger.addHandler(caplog.handler)                       # test_gguf.py's log test)
+    try:
+        with caplog.at_level(logging.INFO, logger="aserve.backends.cpu_ops"), serving(build_app(
+                EngineArgs(model=str(path), dtype="bfloat16", max_model_len=64,
+                           quantization="gguf"))) as url:
+            [card] = httpx.get(f"{url}/v1/models").json()["data"]
+    finally:
+        logger.removeHandler(caplog.handler)
+    # 2 layers x 4 packed linears, the LM head, and the embedding (untied: its own rows)
+    assert card["quantization"] == ("GGUF (Q4_0 x16, F32 x5); integer GEMM: "
+                                    "int4 g32 x9 linear weights, the rest bfloat16")
+    assert "10 of 10 linear weights kept as integers (int4 g32 x10)" in caplog.text
+
+
+@pytest.mark.parametrize("requested, match", [
+    ("gptq", "does not match the checkpoint's quantization method 'gguf'"),
+    ("bitsandbytes", "not a method aserve reads")])
+def test_a_quantization_the_checkpoint_has_not_is_refused(model_dir_factory, tmp_path,
+                                                         requested, match):
+    path = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(path), dtype="bfloat16", quantization=requested, max_model_len=64)
+    with pytest.raises(ValueError, match="not quantized"):
+        LLM(model=str(model_dir_factory("llama")), dtype="bfloat16", quantization="awq",
+            max_model_len=64)
