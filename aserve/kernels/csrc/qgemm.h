@@ -27,7 +27,9 @@
 // A packed weight is uint8 [panels, K / G, group bytes]: K / G and the group's bytes say G and
 // the bits, so the tensor describes itself. The micro-kernel keeps 4 rows x 48 outputs of int32
 // sums for a group and of float sums across groups (24 registers), and stores through gemm.h's
-// store_tile, so bias, bf16 rounding and the gated SiLU epilogue are the bf16 GEMM's.
+// store_tile, so bias, bf16 rounding and the gated SiLU epilogue are the bf16 GEMM's. With one
+// or two rows (decode), int4's high nibbles go into sums of their own as they lie (16 q), so
+// no shift a vector; GGUF's groups (16, 32) have their k-loops unrolled whole.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -189,10 +191,11 @@ static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G
 
 // c[0:R, 0:cols] = rows [0, R) of x (quantized: xq with stride K, xs / xsum with stride
 // `groups`) @ one packed panel, stored by epilogue E.
-template <int R, int Bits, int E>
+template <int R, int Bits, int E, int FixedG>
 static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsum,
-                  int64_t groups, const uint8_t* panel, int64_t G, int64_t gb, void* c,
+                  int64_t groups, const uint8_t* panel, int64_t group, int64_t gb, void* c,
                   int64_t ldc, int64_t cols, const TileEpilogue& ep) {
+  const int64_t G = FixedG > 0 ? FixedG : group;  // fixed: the k-loops unroll whole
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -204,7 +207,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
     ASERVE_UNROLL for (int r = 0; r < R; ++r)
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) dot[r][v] = _mm512_setzero_si512();
     if (Bits == 8) {
-      for (int64_t kq = 0; kq < G / 4; ++kq) {
+      ASERVE_UNROLL for (int64_t kq = 0; kq < G / 4; ++kq) {
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512i b = _mm512_loadu_si512(w + (kq * kVecs + v) * 64);
           ASERVE_UNROLL for (int r = 0; r < R; ++r) {
@@ -214,8 +217,29 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
           }
         }
       }
+    } else if (R <= 2) {
+      // few rows: the high nibbles as they lie (16 q), into sums of their own, so no shift a
+      // vector and two independent chains; 16 * sum is exact in int32 and shifted back once
+      __m512i high[R][kVecs];
+      ASERVE_UNROLL for (int r = 0; r < R; ++r)
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) high[r][v] = _mm512_setzero_si512();
+      const __m512i high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+      ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+          const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
+          const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(raw, high4);
+          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
+            high[r][v] = _mm512_dpbusd_epi32(high[r][v], hi, _mm512_set1_epi32(xr[1]));
+          }
+        }
+      }
+      ASERVE_UNROLL for (int r = 0; r < R; ++r)
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
+          dot[r][v] = _mm512_add_epi32(dot[r][v], _mm512_srai_epi32(high[r][v], 4));
     } else {
-      for (int64_t k8 = 0; k8 < G / 8; ++k8) {
+      ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
           const __m512i lo = _mm512_and_si512(raw, low4);
@@ -249,14 +273,18 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
 using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t,
                        const uint8_t*, int64_t, int64_t, void*, int64_t, int64_t,
                        const TileEpilogue&);
-#define ASERVE_QTILES(B, E) \
-  {nullptr, qtile<1, B, E>, qtile<2, B, E>, qtile<3, B, E>, qtile<4, B, E>}
-// [bits == 8][epilogue: gemm.h's first four][rows]
-static const QTile kQTiles[2][4][kQRows + 1] = {
-    {ASERVE_QTILES(4, kPlain), ASERVE_QTILES(4, kGatedSplit), ASERVE_QTILES(4, kGatedSilu),
-     ASERVE_QTILES(4, kPlainFloat)},
-    {ASERVE_QTILES(8, kPlain), ASERVE_QTILES(8, kGatedSplit), ASERVE_QTILES(8, kGatedSilu),
-     ASERVE_QTILES(8, kPlainFloat)}};
+#define ASERVE_QTILES(B, E, G) \
+  {nullptr, qtile<1, B, E, G>, qtile<2, B, E, G>, qtile<3, B, E, G>, qtile<4, B, E, G>}
+#define ASERVE_QTILES_G(B, G)                                                     \
+  {ASERVE_QTILES(B, kPlain, G), ASERVE_QTILES(B, kGatedSplit, G),                 \
+   ASERVE_QTILES(B, kGatedSilu, G), ASERVE_QTILES(B, kPlainFloat, G)}
+// [group: any, 16, 32][bits == 8][epilogue: gemm.h's first four][rows]: the groups of GGUF's
+// types have their loops unrolled; GPTQ / AWQ's larger ones run the general tiles
+static const QTile kQTiles[3][2][4][kQRows + 1] = {
+    {ASERVE_QTILES_G(4, 0), ASERVE_QTILES_G(8, 0)},
+    {ASERVE_QTILES_G(4, 16), ASERVE_QTILES_G(8, 16)},
+    {ASERVE_QTILES_G(4, 32), ASERVE_QTILES_G(8, 32)}};
+#undef ASERVE_QTILES_G
 #undef ASERVE_QTILES
 
 #endif
@@ -297,7 +325,8 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   char* c = static_cast<char*>(y.data_ptr());
   const int64_t item = y.element_size();
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  const QTile* tiles = kQTiles[L.bits == 8][epilogue];
+  const int fixed = L.group == 16 ? 1 : L.group == 32 ? 2 : 0;
+  const QTile* tiles = kQTiles[fixed][L.bits == 8][epilogue];
   const int64_t panel_bytes = L.groups * L.group_bytes;
   at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
     TileEpilogue ep;
