@@ -44,7 +44,7 @@ from aserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
 from aserve.kernels.cpu_attention import cpu_attention_forward
 from aserve.kernels.cpu_gemm import PackedWeight, gather_in_huge_pages
 from aserve.kernels.cpu_moe import CpuFusedMoE
-from aserve.kernels.cpu_qgemm import QuantPackedWeight
+from aserve.kernels.cpu_qgemm import QuantFusedMoE, QuantPackedWeight
 from aserve.kernels.paged_attention_cpu import paged_attention_cpu
 from aserve.kernels.rms_norm import rms_norm_ref
 from aserve.kernels.rotary import rotary_ref
@@ -78,8 +78,16 @@ def cpu_kernel_ops(dtype: torch.dtype) -> KernelOps:
 
 
 def fused_moe(w: ExpertWeights) -> FusedMoEFn:
-    """The experts packed for aserve's GEMM (`CpuFusedMoE`), or `fused_moe_ref` over `w`'s
-    tensors where the kernel does not take them (odd H or I, weights not bf16)."""
+    """A quantized checkpoint's experts kept as integers for the VNNI GEMM
+    (`cpu_qgemm.QuantFusedMoE`) where it takes them; else the experts packed for aserve's
+    GEMM (`CpuFusedMoE`), or `fused_moe_ref` over `w`'s tensors where the kernel does not
+    take them (odd H or I, weights not bf16)."""
+    if w.quantized is not None and cpu_qgemm.available() and w.w13.dtype == torch.bfloat16:
+        experts = w.quantized()
+        if experts is not None and QuantFusedMoE.supports(*experts):
+            return QuantFusedMoE(*experts, activation=w.activation, w13_bias=w.w13_bias,
+                                 w2_bias=w.w2_bias, expert_map=w.expert_map, alpha=w.alpha,
+                                 limit=w.limit)
     if not CpuFusedMoE.supports(w.w13, w.w2, w.w13_bias, w.w2_bias, w.activation):
         return fused_moe_ref_fn(w)
     return CpuFusedMoE(w.w13, w.w2, activation=w.activation, w13_bias=w.w13_bias,

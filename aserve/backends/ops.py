@@ -137,6 +137,9 @@ class ExpertWeights:
     alpha: float = 1.702  # swiglu_oai: gate * sigmoid(alpha * gate)
     limit: float | None = None  # swiglu_oai: the clamp
     expert_map: torch.Tensor | None = None  # [E_global] int32; None: every expert is local
+    # a quantized checkpoint's experts as integers, read on call: per local expert its
+    # [gate; up] and its down (`quantization.int_weights.experts`); None: float only
+    quantized: Callable[[], tuple[list[IntWeight], list[IntWeight]] | None] | None = None
 
 
 class FusedMoEFn(Protocol):

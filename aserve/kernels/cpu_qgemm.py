@@ -124,3 +124,47 @@ def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = No
     for g in range(groups):
         acc = acc + (dots[:, g] * xs[:, g:g + 1]) * scale[:, g] + low[:, g] * xsum[:, g:g + 1]
     return acc if bias is None else acc + bias.float()
+
+
+class QuantFusedMoE:
+    """A MoE layer's experts kept as integers (`FusedMoEFn`): each local expert's [gate; up]
+    packed gated and its down plain for the VNNI GEMM; a call runs `fused_moe_ref`'s loop
+    (experts in id order over their rows by slot then token, weighted rows summed in float32)
+    with these GEMMs, the SiLU in the gated epilogue where there is no bias."""
+
+    packed = True  # the layer may drop its float copies
+
+    def __init__(self, w13: list[IntWeight], w2: list[IntWeight], *, activation: str = "silu",
+                 w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                 expert_map: torch.Tensor | None = None, alpha: float = 1.702,
+                 limit: float | None = None) -> None:
+        self.w13 = [QuantPackedWeight(w, gated=True) for w in w13]
+        self.w2 = [QuantPackedWeight(w) for w in w2]
+        self.w13_bias, self.w2_bias, self.expert_map = w13_bias, w2_bias, expert_map
+        self.activation, self.alpha, self.limit = activation, alpha, limit
+
+    @staticmethod
+    def supports(w13: list[IntWeight], w2: list[IntWeight]) -> bool:
+        return bool(w13) and all(QuantPackedWeight.supports(w) for w in (*w13, *w2))
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        from aserve.kernels.moe import apply_activation, local_slots
+
+        x = x.to(torch.bfloat16).contiguous()
+        local = local_slots(topk_ids, self.expert_map)  # [T, k]
+        out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
+        for e in torch.unique(local[local >= 0]).tolist():
+            slot, token = torch.where(local.T == e)  # by slot, then token
+            rows = x[token]
+            if self.w13_bias is None and self.activation == "silu":
+                h = self.w13[e].silu_and_mul(rows)  # [n, I]
+            else:
+                h = self.w13[e].linear(rows)  # [n, 2I]: gate | up
+                if self.w13_bias is not None:
+                    h = h + self.w13_bias[e]
+                h = apply_activation(h, self.activation, self.alpha, self.limit)
+            y = self.w2[e].linear(h.contiguous(),
+                                  None if self.w2_bias is None else self.w2_bias[e])
+            out.index_add_(0, token, y.float() * topk_weights[token, slot, None].float())
+        return out.to(x.dtype)

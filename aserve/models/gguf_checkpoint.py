@@ -104,10 +104,12 @@ class GGUFCheckpoint:
 
     def int_weight_source(self, name: str) -> Callable[[], IntWeight | None] | None:
         """How to read `name`'s integer form (`gguf_quants.int_weight`, HF's row order) when a
-        kernel packs it; None for a tensor that has none (floats, experts, vectors)."""
+        kernel packs it (an expert's rows alone); None for a tensor that has none (floats,
+        vectors)."""
         source, expert = self.names[name]
         tensor = self.meta.tensors[source]
-        if expert is not None or len(tensor.shape) != 2 or not has_int_form(tensor.tensor_type):
+        if len(tensor.shape) != (2 if expert is None else 3) or not has_int_form(
+                tensor.tensor_type):
             return None
 
         def read() -> IntWeight | None:

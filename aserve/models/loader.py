@@ -267,6 +267,8 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
                 expert = expert_target(name)
                 if expert is not None and expert[0] in params:
                     _load_expert(params[expert[0]], f, stored, expert, path)
+                    if keep_integers and expert[2] is not None:  # one expert's whole tensor
+                        _keep_int_source(params[expert[0]], f, stored, expert[1:])
                     continue
                 target, shard_id = _target(name, packed)
                 if target not in params:
@@ -289,7 +291,7 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
         raise ValueError(f"checkpoint lacks {len(missing)} weight(s): {', '.join(missing[:8])}.")
 
 
-def _keep_int_source(param: nn.Parameter, f, stored: str, shard_id: str | int | None) -> None:
+def _keep_int_source(param: nn.Parameter, f, stored: str, shard_id) -> None:
     """Where the checkpoint holds `stored` as integers (`int_weight_source`: a GGUF's quant
     types), record how to read them on the parameter (`int_weights.attach`), for a platform
     whose integer kernels pack it when the model is bound. Whole weights only (no tensor

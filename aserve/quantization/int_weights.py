@@ -105,6 +105,33 @@ def merged(param: torch.nn.Parameter) -> Callable[[], IntWeight | None] | None:
     return read
 
 
+def experts(w13: torch.nn.Parameter, w2: torch.nn.Parameter, local: range
+            ) -> Callable[[], tuple[list[IntWeight], list[IntWeight]] | None] | None:
+    """How to read a MoE layer's experts' integer forms (the loader's sources under (kind,
+    expert)): per local expert its [gate; up] and its down weight; None where any is missing
+    (a fused checkpoint tensor, a float type)."""
+    up, down = getattr(w13, SHARDS, None) or {}, getattr(w2, SHARDS, None) or {}
+    needed = ([("gate", e) for e in local] + [("up", e) for e in local], [("down", e)
+                                                                        for e in local])
+    if not all(k in up for k in needed[0]) or not all(k in down for k in needed[1]):
+        return None
+
+    def read() -> tuple[list[IntWeight], list[IntWeight]] | None:
+        w13_parts, w2_parts = [], []
+        for e in local:
+            gate, upper, lower = up[("gate", e)](), up[("up", e)](), down[("down", e)]()
+            if gate is None or upper is None or lower is None:
+                return None
+            try:
+                w13_parts.append(IntWeight.concat([gate, upper]))
+            except ValueError:
+                return None
+            w2_parts.append(lower)
+        return w13_parts, w2_parts
+
+    return read
+
+
 def release(param: torch.nn.Parameter) -> None:
     """Forget the recorded sources (what they hold open goes with them)."""
     if hasattr(param, SHARDS):

@@ -59,7 +59,7 @@ def test_the_plain_gemm_is_its_twin(rows, cols, group, bits, m):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_gated_weight_gives_gate_up_and_silu_and_mul(bits):
-    w = int_weight(2 * 72, 128, 32, bits, seed=1)  # d = 72: 3 half panels, the last partial
+    w = int_weight(2 * 70, 128, 32, bits, seed=1)  # d = 70: 3 half panels, the last partial
     packed = QuantPackedWeight(w, gated=True)
     x = torch.randn(6, 128).bfloat16()
     split = packed.linear(x)

@@ -101,3 +101,26 @@ def test_a_quantization_the_checkpoint_has_not_is_refused(model_dir_factory, tmp
     with pytest.raises(ValueError, match="not quantized"):
         LLM(model=str(model_dir_factory("llama")), dtype="bfloat16", quantization="awq",
             max_model_len=64)
+
+
+MOE_CASES = {  # as tests/models/test_gguf.py's mixtures of experts
+    "mixtral": ("Q8_0", dict(num_local_experts=5, num_experts_per_tok=2)),
+    "qwen2_moe": ("Q4_0", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+                               moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                               norm_topk_prob=False)),
+}
+
+
+@pytest.mark.parametrize("arch", list(MOE_CASES))
+def test_experts_keep_their_integers_too(model_dir_factory, tmp_path, arch):
+    from aserve.kernels.cpu_qgemm import QuantFusedMoE
+    from aserve.layers.moe import FusedMoE
+
+    qtype, overrides = MOE_CASES[arch]
+    path = write_gguf(model_dir_factory(arch, **overrides), tmp_path / f"{arch}.gguf", qtype)
+    error, bf16_error, fast = scores_as_reference(path, PROMPTS, dtype="bfloat16")
+    experts = [m for m in model_of(fast).modules() if isinstance(m, FusedMoE)]
+    assert experts and all(isinstance(m._run, QuantFusedMoE) for m in experts)
+    assert all(m.w13_weight.numel() == 0 for m in experts)  # no float copy kept
+    fast.engine_core.shutdown()
+    assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
