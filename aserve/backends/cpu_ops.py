@@ -163,10 +163,11 @@ def _pack_linears(weights: Sequence[LinearToPack]) -> list[PackedLinear | None]:
     ones; `gated`: [gate; up] for a fused silu_and_mul), else oneDNN's; then aserve's, in
     forward order, into one buffer of huge pages. Other dtypes stay unpacked."""
     packed: list[PackedLinear | None] = []
+    refused: Counter[str] = Counter()  # why integer weights went to bf16
     for weight, gated, quantized in weights:
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             packed.append(None)
-        elif (int_weight := _int_weight(quantized)) is not None:
+        elif (int_weight := _int_weight(quantized, refused)) is not None:
             packed.append(QuantPackedWeight(int_weight, gated))
         elif PackedWeight.supports(weight):
             packed.append(PackedWeight(weight, gated))
@@ -174,15 +175,30 @@ def _pack_linears(weights: Sequence[LinearToPack]) -> list[PackedLinear | None]:
             packed.append(OneDnnLinear(weight) if _onednn_bf16() else None)
     gather_in_huge_pages([p for p in packed if isinstance(p, PackedWeight | QuantPackedWeight)])
     _log_quantized(packed)
+    if refused:
+        logger.warning("quantized weights the integer GEMM cannot take run dequantized to bf16: "
+                       "%s", ", ".join(f"{n} ({why})" for why, n in sorted(refused.items())))
     return packed
 
 
-def _int_weight(quantized: Callable[[], IntWeight | None] | None) -> IntWeight | None:
-    """The integer form to pack, where there is one and the VNNI kernel takes it."""
-    if quantized is None or not cpu_qgemm.available():
+def _int_weight(quantized: Callable[[], IntWeight | None] | None,
+                refused: Counter[str]) -> IntWeight | None:
+    """The integer form to pack, where there is one and the VNNI kernel takes it; why not
+    counted in `refused` where a quantized weight has to run dequantized."""
+    if quantized is None:
+        return None
+    if not cpu_qgemm.available():
+        refused["no AVX512-VNNI / BF16 build"] += 1
         return None
     weight = quantized()
-    return weight if weight is not None and QuantPackedWeight.supports(weight) else None
+    if weight is None:
+        refused["a part stored as floats, parts that do not stack, or act-order groups"] += 1
+        return None
+    if not QuantPackedWeight.supports(weight):
+        refused[f"groups of {weight.group} over {weight.shape[1]} inputs, or scales past "
+                "fp16"] += 1
+        return None
+    return weight
 
 
 def _log_quantized(packed: list[PackedLinear | None]) -> None:

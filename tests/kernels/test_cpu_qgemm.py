@@ -110,3 +110,29 @@ def test_what_the_kernel_cannot_take_is_refused():
     packed = QuantPackedWeight(w)
     with pytest.raises(RuntimeError, match="contiguous bf16"):
         packed.linear(torch.randn(2, 96))
+
+
+def test_a_quantized_weight_the_kernel_cannot_take_runs_in_bf16_and_says_so(caplog):
+    import logging
+
+    from aserve.backends.cpu_ops import _pack_linears
+    from aserve.backends.ops import LinearToPack
+    from aserve.kernels.cpu_gemm import PackedWeight
+
+    w = int_weight(48, 96, 32, 4)
+    odd = IntWeight(w.q, w.scale.repeat_interleave(4, 1), w.min.repeat_interleave(4, 1), 8, 4)
+    dense = w.dequantize().bfloat16()
+    logger = logging.getLogger("aserve.backends.cpu_ops")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="aserve.backends.cpu_ops"):
+            packed = _pack_linears([LinearToPack(dense, False, lambda: w),
+                                    LinearToPack(dense, False, lambda: odd),
+                                    LinearToPack(dense, False, lambda: None)])
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert isinstance(packed[0], QuantPackedWeight)
+    assert all(isinstance(p, PackedWeight) for p in packed[1:])
+    assert "1 of 3 linear weights kept as integers" in caplog.text
+    assert "1 (groups of 8 over 96 inputs" in caplog.text
+    assert "1 (a part stored as floats" in caplog.text
