@@ -55,15 +55,22 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     arch = read_arch_config(model_dir)
     effective_max_model_len(arch, model_config.max_model_len)  # refuses one too long
     model_cls = get_model_class(arch.architecture)
-    dtype = resolve_dtype(model_config.dtype, arch)
-    with _default_dtype(dtype), torch.device(device):
-        model = model_cls(arch)
     config = _read_json(model_dir / "config.json")
     check_requested_quantization(model_config.quantization, config)
+    source = quantization_source(config)
+    dtype = resolve_dtype(model_config.dtype, arch)
+    if (model_config.dtype == "auto" and dtype == torch.float16 and source is not None
+            and torch.device(device).type == "cpu" and not model_config.dequantize):
+        # (GPTQ / AWQ configs say float16: on the CPU its path packs nothing, so the integer
+        # GEMM would never run; vLLM's CPU build casts float16 to bfloat16 too)
+        logger.info("a quantized checkpoint on the CPU runs in bfloat16 (config.json says "
+                    "float16; --dtype float16 keeps it)")
+        dtype = torch.bfloat16
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(arch)
     quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
                  keep_integers=not model_config.dequantize)
-    source = quantization_source(config)
     if source is not None:
         if "gguf" in config:
             source = source.replace("GGUF", f"GGUF {config['gguf']['file']}", 1)

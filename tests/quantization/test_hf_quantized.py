@@ -256,3 +256,27 @@ def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path
     fast.engine_core.shutdown()
     assert kinds == ({QuantPackedWeight} if case in INTEGER_CASES else {PackedWeight})
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
+
+
+def test_a_float16_quantized_checkpoint_runs_in_bfloat16_on_the_cpu(model_dir_factory, tmp_path):
+    """GPTQ / AWQ configs say float16, whose CPU path packs nothing: with --dtype auto the
+    model runs in bf16 (as vLLM's CPU build casts it), its weights on the integer GEMM."""
+    from aserve.kernels import cpu_qgemm
+    from aserve.kernels.cpu_qgemm import QuantPackedWeight
+
+    quantize, config = CASES["awq"]
+    out, _ = quantized_copy(model_dir_factory("llama"), tmp_path / "awq16", quantize, config)
+    hf_config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": "float16",
+                                                  "dtype": "float16"}))
+    llm = LLM(model=str(out), max_model_len=64, warmup=False)
+    runner = llm.engine_core.executor.worker.runner
+    kinds = {type(m.packed_weight) for m in runner.model.model.layers[0].modules()
+             if getattr(m, "packed_weight", None) is not None}  # (its LM head is float)
+    llm.engine_core.shutdown()
+    assert runner.arch.dtype == torch.bfloat16
+    if cpu_qgemm.available():
+        assert kinds == {QuantPackedWeight}
+    explicit = LLM(model=str(out), dtype="float16", max_model_len=64, warmup=False)
+    assert explicit.engine_core.executor.worker.runner.arch.dtype == torch.float16
+    explicit.engine_core.shutdown()
