@@ -78,6 +78,9 @@ class Platform(ABC):
     computes_on_host: ClassVar[bool] = False
     # The engine step's token budget when the user gives none (--max-num-batched-tokens).
     default_max_num_batched_tokens: ClassVar[int] = 4096
+    # The dtype a quantized checkpoint whose config says float16 runs in under --dtype auto,
+    # where this platform's float16 path has no integer GEMM (None: float16 as configured).
+    quantized_float16_as: ClassVar[torch.dtype | None] = None
     supports_inference_mode: ClassVar[bool] = True
 
     @staticmethod

@@ -29,6 +29,9 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
     computes_on_host = True
+    # its float16 path packs nothing: GPTQ / AWQ (configs in float16) reach the integer GEMM in
+    # bfloat16 (vLLM's CPU build casts float16 to bfloat16 too)
+    quantized_float16_as = torch.bfloat16
 
     def __init__(self, meminfo: Path | str = "/proc/meminfo",
                  cgroup: Path | str = "/sys/fs/cgroup") -> None:

@@ -46,7 +46,8 @@ from aserve.distributed.state import (
 )
 from aserve.layers.bind import OpsLayer, PreparedLayer
 from aserve.layers.linear import ReplicatedLinear
-from aserve.quantization import int_weights
+from aserve.quantization.int_weights import experts as int_experts
+from aserve.quantization.int_weights import release
 
 # checkpoint name -> (parameter, shard kind, expert id or None for a fused tensor)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)"
@@ -176,7 +177,7 @@ class FusedMoE(PreparedLayer):
         """Hand the loaded weights to the bound ops' `fused_moe`; where it keeps a packed copy
         of its own (`packed` set on what it returns), the loaded ones are dropped."""
         tp_rank_adds_bias = self.tp_rank == 0
-        quantized = int_weights.experts(self.w13_weight, self.w2_weight, self.local_experts)
+        quantized = int_experts(self.w13_weight, self.w2_weight, self.local_experts)
         self._run = self.ops.fused_moe(ExpertWeights(
             w13=self.w13_weight.data, w2=self.w2_weight.data,
             w13_bias=None if self.w13_bias is None else self.w13_bias.data,
@@ -184,8 +185,8 @@ class FusedMoE(PreparedLayer):
                      else None),
             activation=self.activation, alpha=self.alpha, limit=self.limit,
             expert_map=self.expert_map, quantized=quantized))
-        int_weights.release(self.w13_weight)
-        int_weights.release(self.w2_weight)
+        release(self.w13_weight)
+        release(self.w2_weight)
         if getattr(self._run, "packed", False):
             for param in (self.w13_weight, self.w2_weight):
                 param.data = param.data.new_empty(0)

@@ -48,9 +48,12 @@ _DTYPE_NAMES = {
 }
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
+def load_model(model_config: ModelConfig, device: torch.device | str = "cpu",
+               quantized_float16_as: torch.dtype | None = None
                ) -> tuple[nn.Module, ModelArchConfig]:
-    """The model (eval mode, weights loaded) and its normalised architecture config."""
+    """The model (eval mode, weights loaded) and its normalised architecture config.
+    `quantized_float16_as`: the platform's dtype for a quantized checkpoint whose config says
+    float16, under --dtype auto (`Platform.quantized_float16_as`)."""
     model_dir = Path(model_config.model)
     arch = read_arch_config(model_dir)
     effective_max_model_len(arch, model_config.max_model_len)  # refuses one too long
@@ -60,12 +63,10 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu"
     source = quantization_source(config)
     dtype = resolve_dtype(model_config.dtype, arch)
     if (model_config.dtype == "auto" and dtype == torch.float16 and source is not None
-            and torch.device(device).type == "cpu" and not model_config.dequantize):
-        # (GPTQ / AWQ configs say float16: on the CPU its path packs nothing, so the integer
-        # GEMM would never run; vLLM's CPU build casts float16 to bfloat16 too)
-        logger.info("a quantized checkpoint on the CPU runs in bfloat16 (config.json says "
-                    "float16; --dtype float16 keeps it)")
-        dtype = torch.bfloat16
+            and quantized_float16_as is not None and not model_config.dequantize):
+        dtype = quantized_float16_as
+        logger.info("a quantized checkpoint runs in %s on this platform (config.json says "
+                    "float16; --dtype float16 keeps it)", str(dtype).removeprefix("torch."))
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
     quantization = config.get("quantization_config")

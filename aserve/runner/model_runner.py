@@ -97,7 +97,8 @@ class ModelRunner:
         self.platform = platform
         self.device = device
         self.block_size = block_size
-        self.model, self.arch = load_model(model_config, self.device)
+        self.model, self.arch = load_model(model_config, self.device,
+                                           platform.quantized_float16_as)
         self.model.eval()
         # every kernel of this dtype, compiled now (not in the middle of a request), bound to
         # the layers once; linear weights packed where the platform packs them

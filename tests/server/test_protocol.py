@@ -424,7 +424,7 @@ def test_model_list_matches_v1_models():
     payload = models.model_dump()
     assert payload["object"] == "list"
     assert set(payload["data"][0]) == {"id", "object", "created", "owned_by", "root",
-                                       "max_model_len"}
+                                       "max_model_len", "quantization"}
     card = Model.model_validate(payload["data"][0])
     assert (card.id, card.object, card.owned_by) == ("tiny", "model", "aserve")
 
