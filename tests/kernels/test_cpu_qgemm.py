@@ -136,3 +136,16 @@ def test_a_quantized_weight_the_kernel_cannot_take_runs_in_bf16_and_says_so(capl
     assert "1 of 3 linear weights kept as integers" in caplog.text
     assert "1 (groups of 8 over 96 inputs" in caplog.text
     assert "1 (a part stored as floats" in caplog.text
+
+
+def test_a_long_prompt_after_a_decode_gives_the_same_rows():
+    """A prompt big enough that its activations' scratch is given back (> 32 MB), between two
+    small calls on the same thread: each call's rows are its own."""
+    w = int_weight(48, 8192, 32, 4)
+    packed = QuantPackedWeight(w)
+    small = torch.randn(2, 8192).bfloat16()
+    before = packed.linear(small)
+    big = torch.randn(4104, 8192).bfloat16()
+    rows = packed.linear(big)
+    assert_bf16_of(rows[-3:], reference(big[-3:], w))
+    assert torch.equal(packed.linear(small), before)

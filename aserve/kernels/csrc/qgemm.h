@@ -312,7 +312,8 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                                                                              : at::kBFloat16));
 #ifdef ASERVE_QGEMM
   // the quantized activations in a scratch buffer of the calling thread, reused call to call
-  // (three tensors a GEMM cost a decode step more than their quantization did)
+  // (three tensors a GEMM cost a decode step more than their quantization did); one past
+  // 32 MB (a long prompt's) is given back after the call
   static thread_local std::vector<int64_t> scratch;
   const int64_t floats = 2 * M * L.groups, words = (M * K + 7) / 8 + (floats + 1) / 2;
   if (static_cast<int64_t>(scratch.size()) < words) scratch.resize(words);
@@ -344,6 +345,7 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
     }
     _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
   });
+  if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's
 #endif
   return y;
 }
