@@ -51,7 +51,7 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed_rows is not None:
             rows = self.packed_rows.rows(input_ids).to(self.rows_dtype)
-            return rows.view(*input_ids.shape, -1)  # [T, embedding_dim]
+            return rows.view(*input_ids.shape, rows.shape[-1])  # [T, embedding_dim]
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)  # [T, embedding_dim]
         local = input_ids - self.vocab_start  # [T]

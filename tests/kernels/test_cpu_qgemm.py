@@ -149,3 +149,16 @@ def test_a_long_prompt_after_a_decode_gives_the_same_rows():
     rows = packed.linear(big)
     assert_bf16_of(rows[-3:], reference(big[-3:], w))
     assert torch.equal(packed.linear(small), before)
+
+
+def test_an_embedding_looks_rows_up_in_the_packed_integers():
+    from aserve.layers.embedding import VocabEmbedding
+
+    w = int_weight(100, 64, 32, 8)
+    embedding = VocabEmbedding(100, 64).to(torch.bfloat16)
+    embedding.use_packed_rows(QuantPackedWeight(w))
+    assert embedding.weight.numel() == 0  # no float copy kept
+    ids = torch.tensor([[3, 99], [0, 3]])
+    expected = fp16_rounded(w).dequantize().bfloat16()
+    assert torch.equal(embedding(ids), expected[ids])
+    assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 64)
