@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import emit, make_prompts  # noqa: E402
+from common import emit, make_prompts, vocab_size_of  # noqa: E402
 
 MADE = ("BF16", "Q8_0", "Q4_K_M")  # what --make-from writes
 
@@ -76,13 +76,13 @@ class Engine:
         from aserve import LLM, SamplingParams
         from aserve.kernels.cpu_gemm import PackedWeight
         from aserve.kernels.cpu_qgemm import QuantPackedWeight
-        from aserve.quantization.gguf_file import GGUFMetadata
+        from aserve.quantization.gguf_file import gguf_model_dir
 
         before = resident_mb()
         self.llm = LLM(str(path), dtype="bfloat16", max_num_seqs=args.batch,
                        max_model_len=args.input_len + args.output_len + 8,
                        kv_cache_memory=args.batch * (args.input_len + args.output_len + 32)
-                       * 64 * 1024)
+                       * 256 * 1024)  # (a 8B model: 128 KB a token)
         self.resident_mb = resident_mb() - before
         self.packed = {"int": 0, "bf16": 0}
         for module in self.llm.engine_core.executor.worker.runner.model.modules():
@@ -91,7 +91,7 @@ class Engine:
                 self.packed["int"] += weight.nbytes
             elif isinstance(weight, PackedWeight):
                 self.packed["bf16"] += weight.data.numel() * 2
-        vocab = int(GGUFMetadata(path).arch_get("vocab_size", 0) or 32000)
+        vocab = vocab_size_of(gguf_model_dir(path))
         self.one = {"prompt_token_ids": make_prompts(1, args.input_len, vocab)[0]}
         self.many = [{"prompt_token_ids": p}
                      for p in make_prompts(args.batch, args.input_len, vocab, seed=1)]
