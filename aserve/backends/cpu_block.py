@@ -92,6 +92,7 @@ class DecoderLayerWeights:
         """Whether the C++ layer computes exactly what these modules do."""
         packed = (self.qkv, self.o, self.gate_up, self.down)
         return (all(isinstance(p, PackedWeight | QuantPackedWeight) for p in packed)
+                and all(getattr(p, "perm", None) is None for p in packed)  # (act-order)
                 and [p.gated for p in packed] == [False, False, True, False]
                 and self.tp_size == 1 and self.q_norm is None and self.k_norm is None
                 and self.gate_up_bias is None

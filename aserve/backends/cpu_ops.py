@@ -192,7 +192,7 @@ def _int_weight(quantized: Callable[[], IntWeight | None] | None,
         return None
     weight = quantized()
     if weight is None:
-        refused["a part stored as floats, parts that do not stack, or act-order groups"] += 1
+        refused["a part stored as floats, or parts that do not stack"] += 1
         return None
     if not QuantPackedWeight.supports(weight):
         refused[f"groups of {weight.group} over {weight.shape[1]} inputs, or scales past "

@@ -50,6 +50,7 @@ class QuantPackedWeight:
     def __init__(self, weight: IntWeight, gated: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.gated, self.group, self.bits = gated, weight.group, storage_bits(weight.bits)
+        self.perm = weight.perm  # act-order: the inputs of the packed columns, gathered first
         self.data = _module().qgemm_pack(weight.q.contiguous(), weight.scale.half(),
                                          weight.min.half(), self.bits, gated)
 
@@ -85,11 +86,17 @@ class QuantPackedWeight:
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of the weight (float32 [len(index), K], scale * q + min with the fp16 scale
         and min it stores), read back from the packed layout."""
-        return _module().qgemm_rows(self.data, self.out_features, self.in_features, self.gated,
+        rows = _module().qgemm_rows(self.data, self.out_features, self.in_features, self.gated,
                                     index.reshape(-1).long())
+        if self.perm is None:
+            return rows
+        out = torch.empty_like(rows)
+        out[:, self.perm] = rows
+        return out
 
     def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
+        rows = x.reshape(-1, self.in_features)
+        rows = rows.contiguous() if self.perm is None else rows.index_select(1, self.perm)
         y = _module().qgemm_linear(rows, self.data, self.out_features, bias, epilogue)
         return y.view(*x.shape[:-1], y.shape[-1])
 
@@ -115,6 +122,8 @@ def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = No
     `weight`'s scale and min rounded to fp16 as the packed layout stores them."""
     rows, cols = x.shape
     group, groups = weight.group, cols // weight.group
+    if weight.perm is not None:  # act-order: the inputs gathered in the columns' order
+        x = x.index_select(1, weight.perm)
     xq, xs, xsum = quantize_activations(x, group)
     q = weight.q.to(torch.int32).reshape(-1, groups, group)
     dots = torch.einsum("mgk,ngk->mgn", xq.to(torch.int32).reshape(rows, groups, group),

@@ -89,7 +89,7 @@ class TritonQuantWeight:
     @staticmethod
     def supports(weight: IntWeight) -> bool:
         rows, cols = weight.shape
-        return (cols % weight.group == 0 and cols % 2 == 0 and rows > 0
+        return (weight.perm is None and cols % weight.group == 0 and cols % 2 == 0 and rows > 0
                 and bool(torch.isfinite(weight.scale.half()).all())
                 and bool(torch.isfinite(weight.min.half()).all()))
 

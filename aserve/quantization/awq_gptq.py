@@ -73,17 +73,24 @@ class GroupedCodes:
         return w.t().contiguous()
 
     def int_weight(self) -> IntWeight | None:
-        """scale * q + min per group of consecutive inputs (min = -scale * zero); None where
-        the groups are not consecutive runs of one size (GPTQ's act-order)."""
+        """scale * q + min per group (min = -scale * zero). GPTQ's act-order groups (inputs
+        of a group not consecutive) come with their columns sorted by group (`perm`); None
+        where the groups are not all of one size."""
         in_features, n_groups = self.codes.shape[0], self.scales.shape[0]
         if in_features % n_groups:
             return None
         size = in_features // n_groups
-        if not torch.equal(self.groups.cpu(), torch.arange(in_features) // size):
-            return None
+        groups = self.groups.cpu()
+        runs = torch.arange(in_features) // size
+        perm = None
+        if not torch.equal(groups, runs):
+            perm = torch.sort(groups, stable=True).indices
+            if not torch.equal(groups[perm], runs):
+                return None  # groups of different sizes
+        codes = self.codes if perm is None else self.codes[perm.to(self.codes.device)]
         scale = self.scales.t().contiguous()
-        return IntWeight(self.codes.t().to(torch.uint8).contiguous(), scale,
-                         (-scale * self.zeros.t()).contiguous(), size, self.bits)
+        return IntWeight(codes.t().to(torch.uint8).contiguous(), scale,
+                         (-scale * self.zeros.t()).contiguous(), size, self.bits, perm)
 
 
 def gptq_zero_offset(checkpoint_format: str | None) -> int:
@@ -232,7 +239,7 @@ def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: 
                     group_size: int | None = None, sym: bool = True,
                     zero_offset: int = 1) -> IntWeight | None:
     """The integer form (`int_weights.IntWeight`) of GPTQ tensors (`dequantize_gptq`'s
-    arguments), or None with act-order (groups not in input order)."""
+    arguments); with act-order its columns sorted by group (`IntWeight.perm`)."""
     return _gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
                        sym=sym, zero_offset=zero_offset).int_weight()
 

@@ -2,6 +2,9 @@
 
     W[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group],    0 <= q < 2 ** bits
 
+with, for GPTQ's act-order, the columns in a permuted order (`perm`: column k of q is input
+perm[k], so that each group is a run of consecutive columns; a kernel reads x[:, perm]).
+
 Every GGUF quant type (`gguf_quants.int_weight`), AWQ and GPTQ without act-order
 (`min = -scale * zero`) and compressed-tensors' int checkpoints are exactly this. The loader keeps,
 beside each float weight it dequantized, how to get its integer form (`attach` / `merged`), so
@@ -26,16 +29,22 @@ class IntWeight:
     min: torch.Tensor  # float32 [rows, cols // group]
     group: int
     bits: int  # of a value: 2..8
+    perm: torch.Tensor | None = None  # int64 [cols]: the input of each column (None: k)
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight."""
+        """The float32 weight, its columns in input order."""
         rows, cols = self.q.shape
         q = self.q.float().view(rows, cols // self.group, self.group)
-        return (q * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(rows, cols)
+        w = (q * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(rows, cols)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def regroup(self, group: int) -> IntWeight:
         """The same weight with groups of `group` (a divisor of this one's): scales repeated."""
@@ -44,20 +53,25 @@ class IntWeight:
         assert self.group % group == 0, (self.group, group)
         times = self.group // group
         return IntWeight(self.q, self.scale.repeat_interleave(times, dim=1),
-                         self.min.repeat_interleave(times, dim=1), group, self.bits)
+                         self.min.repeat_interleave(times, dim=1), group, self.bits, self.perm)
 
     def rows(self, index: torch.Tensor) -> IntWeight:
         """The weight with its rows reordered (`index`: the new order)."""
         return IntWeight(self.q[index], self.scale[index], self.min[index], self.group,
-                         self.bits)
+                         self.bits, self.perm)
 
     @staticmethod
     def concat(parts: Sequence[IntWeight]) -> IntWeight:
         """Parts stacked by rows (q; k; v or gate; up), in the finest group and most bits any
-        part has; ValueError where their columns differ or no group fits them all."""
+        part has; ValueError where their columns (or column orders) differ or no group fits
+        them all."""
         cols = {p.shape[1] for p in parts}
         if len(cols) != 1:
             raise ValueError(f"parts of {sorted(cols)} columns")
+        perm = parts[0].perm
+        if any((p.perm is None) != (perm is None) or (perm is not None and not torch.equal(
+                p.perm, perm)) for p in parts):
+            raise ValueError("parts whose columns are in different orders")
         group = 0
         for p in parts:
             group = gcd(group, p.group)
@@ -65,7 +79,8 @@ class IntWeight:
             raise ValueError(f"groups {[p.group for p in parts]} share no multiple of 16")
         parts = [p.regroup(group) for p in parts]
         return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                         torch.cat([p.min for p in parts]), group, max(p.bits for p in parts))
+                         torch.cat([p.min for p in parts]), group, max(p.bits for p in parts),
+                         perm)
 
 
 Source = Callable[[], "IntWeight | None"]  # reads a shard's integer form when asked

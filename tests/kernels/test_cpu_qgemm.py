@@ -162,3 +162,20 @@ def test_an_embedding_looks_rows_up_in_the_packed_integers():
     expected = fp16_rounded(w).dequantize().bfloat16()
     assert torch.equal(embedding(ids), expected[ids])
     assert embedding(torch.tensor([], dtype=torch.long)).shape == (0, 64)
+
+
+def test_act_order_columns_are_gathered_before_the_gemm():
+    """GPTQ's act-order: the packed columns are the inputs `perm` names; linear gathers x's
+    columns first, `rows` puts them back in input order."""
+    w = int_weight(40, 128, 32, 4)
+    perm = torch.randperm(128, generator=torch.Generator().manual_seed(3))
+    permuted = IntWeight(w.q, w.scale, w.min, 32, 4, perm)
+    packed = QuantPackedWeight(permuted)
+    x = torch.randn(3, 128).bfloat16()
+    assert_bf16_of(packed.linear(x), reference(x, permuted))
+    assert_bf16_of(packed.linear(x), reference(x[:, perm], w))  # the same as gathering first
+    index = torch.tensor([5, 0])
+    expected = IntWeight(w.q, w.scale.half().float(), w.min.half().float(), 32, 4,
+                         perm).dequantize()
+    assert torch.equal(packed.rows(index), expected[index])
+    assert not torch.equal(expected, fp16_rounded(w).dequantize())  # the order matters

@@ -208,13 +208,13 @@ def test_what_cannot_be_read_is_one_error_naming_it(model_dir_factory, tmp_path,
         LLM(model=str(out), dtype="float32", max_model_len=64)
 
 
-INTEGER_CASES = ["ct-int8-channel", "ct-int4-group", "gptq", "awq"]
+INTEGER_CASES = ["ct-int8-channel", "ct-int4-group", "gptq", "gptq-act-order", "awq"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_integer_form_is_the_dequantized_weight(model_dir_factory, tmp_path, case):
     """What the integer kernels pack (`int_weight_source`) is the weight the float path
-    loads; GPTQ's act-order (groups not in input order) and fp8 have no integer form."""
+    loads (GPTQ's act-order with its columns sorted by group); fp8 has no integer form."""
     from aserve.quantization.hf_checkpoint import QuantizedCheckpoint
 
     quantize, config = CASES[case]
@@ -232,17 +232,20 @@ def test_the_integer_form_is_the_dequantized_weight(model_dir_factory, tmp_path,
                                     else dequantized[name].shape[1])
             torch.testing.assert_close(weight.dequantize(), dequantized[name].float(),
                                        rtol=1e-5, atol=1e-7)
+            assert (weight.perm is not None) == (case == "gptq-act-order")
         assert f.int_weight_source("model.layers.0.input_layernorm.weight") is None
 
 
-@pytest.mark.parametrize("case", INTEGER_CASES + ["gptq-act-order"])
+@pytest.mark.parametrize("case", INTEGER_CASES)
 def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path, case):
-    """In bf16, GPTQ / AWQ / compressed-tensors int weights stay as integers for the VNNI
-    GEMM and score text as the float reference does; act-order falls back to bf16."""
+    """In bf16, GPTQ (act-order too: its inputs gathered in group order first) / AWQ /
+    compressed-tensors int weights stay as integers for the VNNI GEMM and score text as the
+    float reference does; act-order layers run module by module (the whole-layer call
+    gathers no inputs)."""
     from helpers.parity import scores_as_reference
 
+    from aserve.backends.cpu_block import CpuDecoderBlock
     from aserve.kernels import cpu_qgemm
-    from aserve.kernels.cpu_gemm import PackedWeight
     from aserve.kernels.cpu_qgemm import QuantPackedWeight
 
     if not cpu_qgemm.available():
@@ -253,8 +256,10 @@ def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path
     layer = fast.engine_core.executor.worker.runner.model.model.layers[0]
     kinds = {type(m.packed_weight) for m in layer.modules()
              if getattr(m, "packed_weight", None) is not None}
+    whole_layer = CpuDecoderBlock.of(layer)
     fast.engine_core.shutdown()
-    assert kinds == ({QuantPackedWeight} if case in INTEGER_CASES else {PackedWeight})
+    assert kinds == {QuantPackedWeight}
+    assert (whole_layer is None) == (case == "gptq-act-order")
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
 
 

@@ -9,9 +9,10 @@ process's RSS and count of Python objects are back within `RSS_MARGIN_MIB` and
 `MAX_OBJECT_GROWTH` of their levels after a warm-up.
 
 `ASERVE_SOAK_REQUESTS` raises (or lowers) the number of requests; the default (2,000 until the
-suite neared its 15 minutes) keeps the test under a minute on a 2-core machine. The test runs torch on one intra-op thread: with OpenMP's
-two threads on two cores, any other busy process on the machine makes the tiny model's steps
-spin at barriers, up to ~50x slower, and the test's time would measure the neighbours.
+suite neared its 15 minutes) keeps the test under a minute on a 2-core machine. The test runs
+torch on one intra-op thread: with OpenMP's two threads on two cores, any other busy process
+on the machine makes the tiny model's steps spin at barriers, up to ~50x slower, and the
+test's time would measure the neighbours.
 """
 
 from __future__ import annotations
