@@ -60,7 +60,45 @@ def amx(enabled: bool | None = None) -> bool:
     return module.gemm_amx(-1 if enabled is None else int(enabled))
 
 
-class PackedWeight:
+class PackedGemm:
+    """What the CPU GEMMs' packed weights share (`PackedWeight`, bf16; the quantized
+    `cpu_qgemm.QuantPackedWeight`): a [N, K] weight's `data` in the kernel's layout, and the
+    calls over it, each one C++ GEMM (`_gemm`) with an epilogue. `gated`: [gate; up], so that
+    `silu_and_mul` comes out of the GEMM."""
+
+    out_features: int
+    in_features: int
+    gated: bool
+    data: torch.Tensor
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] bf16 -> [..., N]."""
+        return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)
+
+    def linear_float(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`linear(x, bias).float()` in one pass (the bf16 values, stored as float32)."""
+        assert not self.gated, "a gated weight has no plain float output"
+        return self._apply(x, bias, EPILOGUE_FLOAT)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """Gated weight: x [..., K] bf16 -> silu(gate) * up, [..., N / 2]."""
+        assert self.gated, "silu_and_mul needs a weight packed gated"
+        return self._apply(x, None, EPILOGUE_GATED_SILU)
+
+    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> torch.Tensor:
+        y = self._gemm(self._rows_in(x.reshape(-1, self.in_features)), bias, epilogue)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def _rows_in(self, rows: torch.Tensor) -> torch.Tensor:
+        """x's rows [M, K] as the kernel reads them."""
+        return rows.contiguous()
+
+    def _gemm(self, rows: torch.Tensor, bias: torch.Tensor | None, epilogue: int
+              ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedWeight(PackedGemm):
     """A [N, K] bf16 weight in the kernel's panel layout; `linear(x, bias)` applies it.
 
     `gated`: the weight is [gate; up] (d rows each) and its panels pair 24 gate rows with the
@@ -78,24 +116,9 @@ class PackedWeight:
         return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.shape[1] % 2 == 0 and available())
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] bf16 -> [..., N]."""
-        return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)
-
-    def linear_float(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`linear(x, bias).float()` in one pass (the bf16 values, stored as float32)."""
-        assert not self.gated, "a gated weight has no plain float output"
-        return self._apply(x, bias, EPILOGUE_FLOAT)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """Gated weight: x [..., K] bf16 -> silu(gate) * up, [..., N / 2]."""
-        assert self.gated, "silu_and_mul needs a weight packed gated"
-        return self._apply(x, None, EPILOGUE_GATED_SILU)
-
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).contiguous()
-        y = _module().gemm_linear(rows, self.data, self.out_features, bias, epilogue)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def _gemm(self, rows: torch.Tensor, bias: torch.Tensor | None, epilogue: int
+              ) -> torch.Tensor:
+        return _module().gemm_linear(rows, self.data, self.out_features, bias, epilogue)
 
 
 def _advise_huge_pages(address: int, length: int) -> bool:

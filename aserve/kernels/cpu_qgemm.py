@@ -19,13 +19,9 @@ from __future__ import annotations
 import torch
 
 from aserve.kernels import cpu_extension
-from aserve.kernels.cpu_gemm import (
-    EPILOGUE_FLOAT,
-    EPILOGUE_GATED_SILU,
-    EPILOGUE_GATED_SPLIT,
-    EPILOGUE_PLAIN,
-)
-from aserve.quantization.int_weights import IntWeight
+from aserve.kernels.cpu_gemm import PackedGemm
+from aserve.kernels.moe import apply_activation, local_slots
+from aserve.quantization.int_weights import IntWeight, in_input_order
 
 
 def _module():
@@ -43,7 +39,7 @@ def storage_bits(bits: int) -> int:
     return 4 if bits <= 4 else 8
 
 
-class QuantPackedWeight:
+class QuantPackedWeight(PackedGemm):
     """An integer weight in the kernel's layout; `linear(x, bias)` applies it, as
     `cpu_gemm.PackedWeight` does a bf16 one (`gated`: [gate; up], for `silu_and_mul`)."""
 
@@ -70,35 +66,19 @@ class QuantPackedWeight:
         """How it runs, as /v1/models says it: e.g. "int4 g32"."""
         return f"int{self.bits} g{self.group}"
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] bf16 -> [..., N] bf16."""
-        return self._apply(x, bias, EPILOGUE_GATED_SPLIT if self.gated else EPILOGUE_PLAIN)
-
-    def linear_float(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`linear(x, bias).float()` in one pass."""
-        assert not self.gated, "a gated weight has no plain float output"
-        return self._apply(x, bias, EPILOGUE_FLOAT)
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gated, "silu_and_mul needs a weight packed gated"
-        return self._apply(x, None, EPILOGUE_GATED_SILU)
-
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of the weight (float32 [len(index), K], scale * q + min with the fp16 scale
         and min it stores), read back from the packed layout."""
-        rows = _module().qgemm_rows(self.data, self.out_features, self.in_features, self.gated,
-                                    index.reshape(-1).long())
-        if self.perm is None:
-            return rows
-        out = torch.empty_like(rows)
-        out[:, self.perm] = rows
-        return out
+        return in_input_order(
+            _module().qgemm_rows(self.data, self.out_features, self.in_features, self.gated,
+                                 index.reshape(-1).long()), self.perm)
 
-    def _apply(self, x: torch.Tensor, bias: torch.Tensor | None, epilogue: int) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        rows = rows.contiguous() if self.perm is None else rows.index_select(1, self.perm)
-        y = _module().qgemm_linear(rows, self.data, self.out_features, bias, epilogue)
-        return y.view(*x.shape[:-1], y.shape[-1])
+    def _rows_in(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.contiguous() if self.perm is None else rows.index_select(1, self.perm)
+
+    def _gemm(self, rows: torch.Tensor, bias: torch.Tensor | None, epilogue: int
+              ) -> torch.Tensor:
+        return _module().qgemm_linear(rows, self.data, self.out_features, bias, epilogue)
 
 
 def quantize_activations(x: torch.Tensor, group: int
@@ -158,8 +138,6 @@ class QuantFusedMoE:
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
-        from aserve.kernels.moe import apply_activation, local_slots
-
         x = x.to(torch.bfloat16).contiguous()
         local = local_slots(topk_ids, self.expert_map)  # [T, k]
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]

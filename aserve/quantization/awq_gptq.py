@@ -230,21 +230,11 @@ def dequantize_gptq(
     be None only for sym=True, meaning the symmetric zero 2^(bits-1) (what vLLM's gptq_marlin
     assumes for sym checkpoints; a sym checkpoint's stored qzeros decode to the same value).
     """
-    return _gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
+    return gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
                        sym=sym, zero_offset=zero_offset).dequantize()
 
 
-def gptq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor | None, scales: torch.Tensor,
-                    g_idx: torch.Tensor | None = None, *, bits: int = 4,
-                    group_size: int | None = None, sym: bool = True,
-                    zero_offset: int = 1) -> IntWeight | None:
-    """The integer form (`int_weights.IntWeight`) of GPTQ tensors (`dequantize_gptq`'s
-    arguments); with act-order its columns sorted by group (`IntWeight.perm`)."""
-    return _gptq_codes(qweight, qzeros, scales, g_idx, bits=bits, group_size=group_size,
-                       sym=sym, zero_offset=zero_offset).int_weight()
-
-
-def _gptq_codes(
+def gptq_codes(
     qweight: torch.Tensor,
     qzeros: torch.Tensor | None,
     scales: torch.Tensor,
@@ -255,7 +245,8 @@ def _gptq_codes(
     sym: bool = True,
     zero_offset: int = 1,
 ) -> GroupedCodes:
-    """GPTQ tensors -> their codes, zeros, scales and groups (arguments: `dequantize_gptq`)."""
+    """GPTQ tensors -> their codes, zeros, scales and groups (arguments: `dequantize_gptq`),
+    whose `int_weight()` is the integer form (with act-order, columns sorted by group)."""
     fmt = "gptq"
     _check_gptq(bits, zero_offset)
     _check_tensor(fmt, "qweight", qweight, "int32", 2)
@@ -360,23 +351,18 @@ def dequantize_awq(
 ) -> torch.Tensor:
     """AWQ GEMM tensors (layout in the module docstring) -> float32 W[out_features, in_features].
     group_size -1 means one group over all of in_features."""
-    return _awq_codes(qweight, qzeros, scales, group_size, bits).dequantize()
+    return awq_codes(qweight, qzeros, scales, group_size, bits).dequantize()
 
 
-def awq_int_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                   group_size: int, bits: int = 4) -> IntWeight:
-    """The integer form (`int_weights.IntWeight`) of AWQ GEMM tensors."""
-    return _awq_codes(qweight, qzeros, scales, group_size, bits).int_weight()
-
-
-def _awq_codes(
+def awq_codes(
     qweight: torch.Tensor,
     qzeros: torch.Tensor,
     scales: torch.Tensor,
     group_size: int,
     bits: int = 4,
 ) -> GroupedCodes:
-    """AWQ GEMM tensors -> their codes, zeros, scales and groups."""
+    """AWQ GEMM tensors -> their codes, zeros, scales and groups (`int_weight()`: the integer
+    form)."""
     fmt = "awq"
     _check_bits(fmt, bits, AWQ_BITS)
     _check_tensor(fmt, "qweight", qweight, "int32", 2)

@@ -31,10 +31,9 @@ from safetensors import safe_open
 from aserve.quantization.awq_gptq import (
     AWQ_BITS,
     GPTQ_BITS,
-    awq_int_weight,
-    dequantize_awq,
-    dequantize_gptq,
-    gptq_int_weight,
+    GroupedCodes,
+    awq_codes,
+    gptq_codes,
     gptq_zero_offset,
 )
 from aserve.quantization.int_weights import IntWeight
@@ -193,29 +192,24 @@ class QuantizedCheckpoint:
         return lambda: _grouped(weight.to(torch.int32) + 128, scale, 128, 8, zero)
 
     def _gptq_awq_source(self, module: str) -> Callable[[], IntWeight | None]:
-        quant = self.quant
-        bits, group_size = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
-        t = {leaf: self._raw(f"{module}.{leaf}") for leaf in ("qweight", "qzeros", "scales",
-                                                              "g_idx")
-             if self._has(f"{module}.{leaf}")}
-        if self.method == "awq":
-            return lambda: awq_int_weight(t["qweight"], t["qzeros"], t["scales"], group_size,
-                                          bits=bits)
-        return lambda: gptq_int_weight(
-            t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"), bits=bits,
-            group_size=group_size, sym=bool(quant.get("sym", True)),
-            zero_offset=gptq_zero_offset(quant.get("checkpoint_format")))
+        tensors = self._gptq_awq_tensors(module)  # packed: small to keep until packing
+        return lambda: self._gptq_awq_codes(tensors).int_weight()
 
     def _gptq_awq(self, module: str) -> torch.Tensor:
-        get, quant = self._raw, self.quant
+        return self._gptq_awq_codes(self._gptq_awq_tensors(module)).dequantize()
+
+    def _gptq_awq_tensors(self, module: str) -> dict[str, torch.Tensor]:
+        return {leaf: self._raw(f"{module}.{leaf}") for leaf in ("qweight", "qzeros", "scales",
+                                                                 "g_idx")
+                if self._has(f"{module}.{leaf}")}
+
+    def _gptq_awq_codes(self, t: dict[str, torch.Tensor]) -> GroupedCodes:
+        quant = self.quant
         bits, group_size = int(quant.get("bits", 4)), int(quant.get("group_size", 128))
         if self.method == "awq":
-            return dequantize_awq(get(f"{module}.qweight"), get(f"{module}.qzeros"),
-                                  get(f"{module}.scales"), group_size, bits=bits)
-        g_idx = get(f"{module}.g_idx") if self._has(f"{module}.g_idx") else None
-        qzeros = get(f"{module}.qzeros") if self._has(f"{module}.qzeros") else None
-        return dequantize_gptq(
-            get(f"{module}.qweight"), qzeros, get(f"{module}.scales"), g_idx, bits=bits,
+            return awq_codes(t["qweight"], t["qzeros"], t["scales"], group_size, bits=bits)
+        return gptq_codes(
+            t["qweight"], t.get("qzeros"), t["scales"], t.get("g_idx"), bits=bits,
             group_size=group_size, sym=bool(quant.get("sym", True)),
             zero_offset=gptq_zero_offset(quant.get("checkpoint_format")))
 

@@ -40,11 +40,7 @@ class IntWeight:
         rows, cols = self.q.shape
         q = self.q.float().view(rows, cols // self.group, self.group)
         w = (q * self.scale.unsqueeze(-1) + self.min.unsqueeze(-1)).view(rows, cols)
-        if self.perm is None:
-            return w
-        out = torch.empty_like(w)
-        out[:, self.perm] = w
-        return out
+        return in_input_order(w, self.perm)
 
     def regroup(self, group: int) -> IntWeight:
         """The same weight with groups of `group` (a divisor of this one's): scales repeated."""
@@ -81,6 +77,15 @@ class IntWeight:
         return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                          torch.cat([p.min for p in parts]), group, max(p.bits for p in parts),
                          perm)
+
+
+def in_input_order(columns: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """[rows, K] values whose column j is input perm[j], put in input order (None: as is)."""
+    if perm is None:
+        return columns
+    out = torch.empty_like(columns)
+    out[:, perm] = columns
+    return out
 
 
 Source = Callable[[], "IntWeight | None"]  # reads a shard's integer form when asked

@@ -97,6 +97,39 @@ struct TileEpilogue {
   SwigluOaiMul swiglu{1.702, std::numeric_limits<double>::infinity()};
 };
 
+// What gemm_linear and qgemm_linear (qgemm.h) share: their checks of x, the epilogue, the
+// panels' count and the bias (errors prefixed by `name`), the output y [M, ldc], and how
+// outputs fall to panels (`width` a panel: 48, or 24 gated; `outputs`: N, or d gated). Each
+// checks its own layout of the packed weight besides.
+struct LinearCall {
+  int64_t M, K, d, width, outputs, ldc;
+  torch::Tensor y;
+};
+
+static LinearCall linear_call(const char* name, const torch::Tensor& x, int64_t panels,
+                              int64_t N, const c10::optional<torch::Tensor>& bias,
+                              int64_t epilogue) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
+              ": x must be a contiguous bf16 [M, K]");
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 3 && (epilogue % 3 == 0 || N % 2 == 0), name,
+              ": epilogue 0 / 3, or 1 / 2 for a gated weight");
+  const bool gated = epilogue == kGatedSplit || epilogue == kGatedSilu;
+  LinearCall call;
+  call.M = x.size(0), call.K = x.size(1), call.d = N / 2;
+  call.width = gated ? kHalf : kPanel;
+  call.outputs = gated ? call.d : N;
+  call.ldc = epilogue == kGatedSilu ? call.d : N;
+  TORCH_CHECK(panels * call.width >= call.outputs && (panels - 1) * call.width < call.outputs,
+              name, ": shapes");
+  TORCH_CHECK(!bias.has_value() || (!gated && bias->scalar_type() == at::kBFloat16 &&
+                                    bias->is_contiguous() && bias->numel() == N),
+              name, ": a contiguous bf16 bias of N values (plain epilogue only)");
+  call.y = torch::empty({call.M, call.ldc}, x.options().dtype(
+                                                epilogue == kPlainFloat ? at::kFloat
+                                                                        : at::kBFloat16));
+  return call;
+}
+
 #ifdef ASERVE_GEMM
 
 // The R x 48 float sums of a tile into `out`. kPlain: columns [0, cols) (+ bias) as bf16;
@@ -313,6 +346,28 @@ static inline void panel_rows_done() {
   if (amx_rows != 0) _tile_release(), amx_rows = 0;
 #endif
 }
+
+// Every (panel, 64-row block) task of a call over the threads, panel-major (a thread reuses a
+// panel from L2 across row blocks): run(p, m0, rows, cols, ep), ep's bias the panel's (bias:
+// nullptr for none). Each thread's share ends by giving back its tile state and fencing
+// kPlainFloat's streaming stores, so they are visible before the caller reads them.
+template <typename Run>
+static void for_each_panel_task(const LinearCall& call, int64_t panels,
+                                const at::BFloat16* bias, Run&& run) {
+  const int64_t blocks = (call.M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+    TileEpilogue ep;
+    ep.d = call.d;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
+      ep.bias = bias == nullptr ? nullptr : bias + p * kPanel;
+      run(p, m0, std::min(kRowBlock, call.M - m0),
+          std::min(call.width, call.outputs - p * call.width), ep);
+    }
+    panel_rows_done();
+    _mm_sfence();
+  });
+}
 #endif
 
 // Whether GEMMs over K go to the AMX tiles: wherever the CPU has them, at every row count (a
@@ -343,42 +398,22 @@ bool gemm_amx(int64_t mode) {
 torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias, int64_t epilogue) {
   TORCH_CHECK(gemm_supported(), "cpu_gemm.linear: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "cpu_gemm.linear: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 3 && (epilogue % 3 == 0 || N % 2 == 0),
-              "cpu_gemm.linear: epilogue 0 / 3, or 1 / 2 for a gated weight");
-  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, panels = packed.size(0);
-  const bool gated = epilogue == kGatedSplit || epilogue == kGatedSilu;
-  const int64_t d = N / 2, width = gated ? kHalf : kPanel;  // outputs per panel
-  TORCH_CHECK(packed.size(1) == K2 && panels * width >= (gated ? d : N),
-              "cpu_gemm.linear: shapes");
-  TORCH_CHECK(!bias.has_value() || (!gated && bias->scalar_type() == at::kBFloat16 &&
-                                    bias->is_contiguous() && bias->numel() == N),
-              "cpu_gemm.linear: a contiguous bf16 bias of N values (plain epilogue only)");
-  const int64_t ldc = epilogue == kGatedSilu ? d : N;
-  auto y = torch::empty({M, ldc}, x.options().dtype(epilogue == kPlainFloat ? at::kFloat
-                                                                             : at::kBFloat16));
+  const LinearCall call = linear_call("cpu_gemm.linear", x, packed.size(0), N, bias, epilogue);
+  const int64_t K = call.K, K2 = K / 2, ldc = call.ldc;
+  TORCH_CHECK(packed.size(1) == K2, "cpu_gemm.linear: shapes");
 #ifdef ASERVE_GEMM
   const at::BFloat16* a = x.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
-  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  char* c = static_cast<char*>(y.data_ptr());
-  const int64_t item = y.element_size();
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  char* c = static_cast<char*>(call.y.data_ptr());
+  const int64_t item = call.y.element_size();
   const bool amx = use_amx(K);
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    TileEpilogue ep;
-    ep.d = d;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
-      const int64_t cols = std::min(width, (gated ? d : N) - p * width);
-      ep.bias = b == nullptr ? nullptr : b + p * kPanel;
-      panel_rows(epilogue, amx, a + m0 * K, std::min(kRowBlock, M - m0), K,
-                 w + p * K2 * kPanel * 2, c + (m0 * ldc + p * width) * item, ldc, item, cols, ep);
-    }
-    panel_rows_done();
-    _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
-  });
+  for_each_panel_task(call, packed.size(0),
+                      bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+                      [&](int64_t p, int64_t m0, int64_t rows, int64_t cols,
+                          const TileEpilogue& ep) {
+                        panel_rows(epilogue, amx, a + m0 * K, rows, K, w + p * K2 * kPanel * 2,
+                                   c + (m0 * ldc + p * call.width) * item, ldc, item, cols, ep);
+                      });
 #endif
-  return y;
+  return call.y;
 }

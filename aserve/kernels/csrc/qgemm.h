@@ -294,22 +294,10 @@ static const QTile kQTiles[3][2][4][kQRows + 1] = {
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                            c10::optional<torch::Tensor> bias, int64_t epilogue) {
   TORCH_CHECK(qgemm_supported(), "cpu_qgemm.linear: built without AVX512-VNNI and BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "cpu_qgemm.linear: x must be a contiguous bf16 [M, K]");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 3 && (epilogue % 3 == 0 || N % 2 == 0),
-              "cpu_qgemm.linear: epilogue 0 / 3, or 1 / 2 for a gated weight");
-  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  const LinearCall call = linear_call("cpu_qgemm.linear", x, packed.size(0), N, bias,
+                                      epilogue);
+  const int64_t M = call.M, K = call.K, ldc = call.ldc;
   const QuantLayout L = quant_layout(packed, K);
-  const bool gated = epilogue == kGatedSplit || epilogue == kGatedSilu;
-  const int64_t d = N / 2, width = gated ? kHalf : kPanel;
-  TORCH_CHECK(panels * width >= (gated ? d : N) && (panels - 1) * width < (gated ? d : N),
-              "cpu_qgemm.linear: shapes");
-  TORCH_CHECK(!bias.has_value() || (!gated && bias->scalar_type() == at::kBFloat16 &&
-                                    bias->is_contiguous() && bias->numel() == N),
-              "cpu_qgemm.linear: a contiguous bf16 bias of N values (plain epilogue only)");
-  const int64_t ldc = epilogue == kGatedSilu ? d : N;
-  auto y = torch::empty({M, ldc}, x.options().dtype(epilogue == kPlainFloat ? at::kFloat
-                                                                             : at::kBFloat16));
 #ifdef ASERVE_QGEMM
   // the quantized activations in a scratch buffer of the calling thread, reused call to call
   // (three tensors a GEMM cost a decode step more than their quantization did); one past
@@ -322,32 +310,23 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   int8_t* a = reinterpret_cast<int8_t*>(scratch.data() + (floats + 1) / 2);
   quantize_rows(x.data_ptr<at::BFloat16>(), M, K, L.group, a, scales, sums);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
-  char* c = static_cast<char*>(y.data_ptr());
-  const int64_t item = y.element_size();
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  char* c = static_cast<char*>(call.y.data_ptr());
+  const int64_t item = call.y.element_size();
   const int fixed = L.group == 16 ? 1 : L.group == 32 ? 2 : 0;
   const QTile* tiles = kQTiles[fixed][L.bits == 8][epilogue];
   const int64_t panel_bytes = L.groups * L.group_bytes;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    TileEpilogue ep;
-    ep.d = d;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
-      const int64_t cols = std::min(width, (gated ? d : N) - p * width);
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      ep.bias = b == nullptr ? nullptr : b + p * kPanel;
-      for (int64_t m = m0; m < m1; m += kQRows)
-        tiles[std::min(kQRows, m1 - m)](a + m * K, K, scales + m * L.groups,
-                                        sums + m * L.groups, L.groups, w + p * panel_bytes,
-                                        L.group, L.group_bytes,
-                                        c + (m * ldc + p * width) * item, ldc, cols, ep);
-    }
-    _mm_sfence();  // kPlainFloat's streaming stores: visible before the caller reads them
-  });
+  for_each_panel_task(
+      call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+      [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
+        for (int64_t m = m0; m < m0 + rows; m += kQRows)
+          tiles[std::min(kQRows, m0 + rows - m)](
+              a + m * K, K, scales + m * L.groups, sums + m * L.groups, L.groups,
+              w + p * panel_bytes, L.group, L.group_bytes,
+              c + (m * ldc + p * call.width) * item, ldc, cols, ep);
+      });
   if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's
 #endif
-  return y;
+  return call.y;
 }
 
 // A linear over a weight packed by either GEMM: uint8 -> qgemm_linear, bf16 -> gemm_linear.
