@@ -22,7 +22,8 @@ never two timings at once:
 Ratios: each file's aserve TPOT over aserve's bf16 (goals: int8 <= 0.65, int4 <= 0.45), over
 llama.cpp's on the same file (goal <= 1), and its c=32 throughput over bf16's (goal >= 1).
 Files of another model in the same types: make them with llama.cpp's quantizer
-(`llama_cpp.llama_model_quantize`, `--make-from F.gguf` does Q8_0, Q4_K_M and BF16 next to it).
+(`llama_cpp.llama_model_quantize`, `--make-from F.gguf` does Q8_0, Q4_K_M and BF16 next to it;
+`--types BF16 Q8_0 Q4_0 ...` others, and then measures those alone).
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ sys.path.insert(0, str(HERE))
 
 from common import emit, make_prompts, vocab_size_of  # noqa: E402
 
-MADE = ("BF16", "Q8_0", "Q4_K_M")  # what --make-from writes
+MADE = ("BF16", "Q8_0", "Q4_K_M")  # what --make-from writes unless --types says
 
 
-def make_files(source: Path, venv: Path) -> list[Path]:
-    """BF16, Q8_0 and Q4_K_M files requantized from `source` by llama.cpp, beside it."""
+def make_files(source: Path, venv: Path, types: tuple[str, ...] = MADE) -> list[Path]:
+    """Files of these llama.cpp types (`LLAMA_FTYPE_MOSTLY_<type>`) requantized from `source`
+    by its quantizer, beside it."""
     code = (
         "import sys, llama_cpp\n"
         "src, out, name = sys.argv[1:]\n"
@@ -55,7 +57,7 @@ def make_files(source: Path, venv: Path) -> list[Path]:
         "p.allow_requantize = True\n"
         "sys.exit(llama_cpp.llama_model_quantize(src.encode(), out.encode(), p))\n")
     made = []
-    for name in MADE:
+    for name in types:
         out = source.with_name(f"{source.name.split('.')[0]}.{name}.gguf")
         if not out.exists():
             subprocess.run([str(venv / "bin" / "python"), "-c", code, str(source), str(out),
@@ -185,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--make-from", type=Path, default=None,
                    help="a GGUF to requantize into BF16, Q8_0 and Q4_K_M files (llama.cpp's "
                         "quantizer), measured with it")
+    p.add_argument("--types", nargs="+", default=None,
+                   help="with --make-from: the types to make (the first the baseline, BF16), "
+                        "measured without the source file")
     p.add_argument("--llamacpp-venv", type=Path,
                    default=Path("~/.cache/aserve-peers/llamacpp-venv"))
     p.add_argument("-i", "--input-len", type=int, default=16)
@@ -200,8 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     files = list(args.gguf)
     if args.make_from is not None:
-        made = make_files(args.make_from, args.llamacpp_venv.expanduser())
-        files = [made[0], made[1], args.make_from, *made[2:], *files]
+        venv = args.llamacpp_venv.expanduser()
+        if args.types:
+            files = [*make_files(args.make_from, venv, tuple(args.types)), *files]
+        else:
+            made = make_files(args.make_from, venv)
+            files = [made[0], made[1], args.make_from, *made[2:], *files]
     if len(files) < 2:
         raise SystemExit("give a bf16 GGUF and quantized ones (--gguf), or --make-from F.gguf")
     import torch

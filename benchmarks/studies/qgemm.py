@@ -1,9 +1,11 @@
 """The CPU int4 / int8 GEMM (`kernels/cpu_qgemm.py`) against aserve's bf16 GEMM on one decode
-step's weights: every linear of --layers layers of smol's shapes (qkv, o, gate_up packed gated,
-down), each kind in its own huge-page buffer, applied to --rows rows in turns for --rounds
-rounds (the best round each). Prints one JSON line: ms a step, MB of packed weights, GB/s.
+step's weights: every linear of --layers layers of smol's (or Llama-3.2-1B's) shapes (qkv, o,
+gate_up packed gated, down), each kind in its own huge-page buffer, applied to --rows rows in
+turns for --rounds rounds (the best round each). Prints one JSON line: ms a step, MB of
+packed weights, GB/s.
 
-    python benchmarks/studies/qgemm.py [--rows 1] [--layers 30] [--rounds 7] [--quick]
+    python benchmarks/studies/qgemm.py [--shape smol|llama1b] [--rows 1] [--layers 30]
+        [--rounds 7] [--quick]
 
 The question it answers: how fast the integer kernels stream their (fewer) bytes beside the
 bf16 kernel (docs/benchmarks/quantization.md).
@@ -19,7 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-SMOL = [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)]
+SHAPES = {  # a layer's linears: (outputs, inputs, gated)
+    "smol": [(960, 576, False), (576, 576, False), (3072, 576, True), (576, 1536, False)],
+    "llama1b": [(3072, 2048, False), (2048, 2048, False), (16384, 2048, True),
+                (2048, 8192, False)],
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from aserve.quantization.int_weights import IntWeight
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smol")
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=7)
@@ -40,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"benchmark": "qgemm", "skipped": "no AVX512-VNNI / BF16 build"}))
         return 0
     gen = torch.Generator().manual_seed(0)
-    shapes = SMOL * args.layers
+    shapes = SHAPES[args.shape] * args.layers
 
     def integer(bits: int) -> list:
         out = []
@@ -54,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"bf16": [cpu_gemm.PackedWeight(torch.randn(n, k, generator=gen).bfloat16(), g)
                       for n, k, g in shapes], "int8": integer(8), "int4": integer(4)}
     buffers = [cpu_gemm.gather_in_huge_pages(ws) for ws in kinds.values()]  # kept alive
-    xs = {k: torch.randn(args.rows, k, generator=gen).bfloat16() for k in (576, 1536)}
+    xs = {k: torch.randn(args.rows, k, generator=gen).bfloat16() for _, k, _ in shapes}
     times = {name: [] for name in kinds}
     for _ in range(args.rounds):
         for name, weights in kinds.items():
@@ -62,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             for weight in weights:
                 weight.linear(xs[weight.in_features])
             times[name].append(time.perf_counter() - t0)
-    result = {"benchmark": "qgemm", "rows": args.rows, "layers": args.layers,
+    result = {"benchmark": "qgemm", "shape": args.shape, "rows": args.rows, "layers": args.layers,
               "rounds": args.rounds, "threads": torch.get_num_threads(),
               "huge_pages": all(b is not None for b in buffers)}
     for name, weights in kinds.items():
