@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,9 @@ class SchedulerConfig:
     # Batches in flight at once (pipeline stages). Above 1 a request waits for its token in
     # flight before it is scheduled again: consecutive batches hold different requests.
     max_batches_in_flight: int = 1
+    # Drafts after each step (core/speculation.py); None: a token a step. Needs synchronous
+    # scheduling: the next step's drafts follow this step's tokens.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -114,6 +117,10 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.speculative is not None and (self.async_scheduling
+                                             or self.max_batches_in_flight > 1):
+            raise ValueError("speculative decoding needs synchronous scheduling "
+                             "(async_scheduling off, one batch in flight).")
 
 
 @dataclass(frozen=True)
@@ -308,3 +315,89 @@ class MoEConfig:
     expert_bias: bool = False  # gpt-oss: biased expert projections
     router_bias: bool = False  # gpt-oss: a biased router
     interleaved_gate_up: bool = False  # gpt-oss' fused checkpoint: [E, H, 2I], gate/up alternating
+
+
+SPECULATIVE_METHODS = ("ngram",)  # what aserve runs; vLLM's others are refused by name
+LATER_SPECULATIVE_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
+                             "mlp_speculator")
+MAX_SPECULATIVE_TOKENS = 16  # drafts a step: each costs a row of logits and a KV slot
+
+
+class SpeculativeConfigError(ValueError):
+    """`speculative_config` is malformed or names what aserve does not run (exit 1)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config '<json>'` / `LLM(speculative_config=...)`, vLLM's keys: which
+    method drafts tokens and how many a step (docs/design.md §8, "Speculative decoding")."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    # n-gram lookup: the longest suffix of prompt_lookup_max .. prompt_lookup_min tokens that
+    # occurred earlier in the sequence proposes the tokens that followed it
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
+        """A config from its JSON text, a dict of vLLM's keys, or itself; checked."""
+        if isinstance(value, SpeculativeConfig):
+            config = value
+        else:
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise SpeculativeConfigError(
+                        f"speculative_config is not valid JSON: {e}.") from None
+            if not isinstance(value, dict):
+                raise SpeculativeConfigError("speculative_config must be a JSON object, got "
+                                             f"{type(value).__name__}.")
+            config = cls._from_dict(dict(value))
+        config.check()
+        return config
+
+    @classmethod
+    def _from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
+        method = value.pop("method", None)
+        if method is None:
+            if value.get("model") not in (None, "ngram", "[ngram]"):
+                raise SpeculativeConfigError(
+                    "speculative_config: a draft model (model) is not supported yet; "
+                    f"methods aserve runs: {', '.join(SPECULATIVE_METHODS)}.")
+            method = "ngram"
+        value.pop("model", None)
+        if method in LATER_SPECULATIVE_METHODS:
+            raise SpeculativeConfigError(
+                f"speculative_config.method {method!r} is not supported yet; methods aserve "
+                f"runs: {', '.join(SPECULATIVE_METHODS)}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise SpeculativeConfigError(
+                f"speculative_config has keys aserve does not know or run: {unknown}; known: "
+                f"method, {', '.join(sorted(known - {'method'}))}.")
+        for key, item in value.items():
+            if not isinstance(item, int) or isinstance(item, bool):
+                raise SpeculativeConfigError(
+                    f"speculative_config.{key} must be an integer, got {item!r}.")
+        if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+            value["prompt_lookup_min"] = min(cls.prompt_lookup_min, value["prompt_lookup_max"])
+        if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
+            value["prompt_lookup_max"] = max(cls.prompt_lookup_max, value["prompt_lookup_min"])
+        return cls(method=method, **value)
+
+    def check(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise SpeculativeConfigError(
+                f"speculative_config.method {self.method!r} is not one aserve runs "
+                f"({', '.join(SPECULATIVE_METHODS)}).")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise SpeculativeConfigError(
+                "speculative_config.num_speculative_tokens must be within 1 .. "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}.")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise SpeculativeConfigError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, "
+                f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}.")

@@ -56,6 +56,9 @@ class SchedulerOutput:
     # The KV connector's work for this step (`KVConnectorScheduler.build_connector_meta`);
     # None without a connector.
     kv_connector_metadata: Any = None
+    # Speculative decoding: per request given drafts, the drafts, in order. Its tokens this
+    # step are its last sampled token and these (they follow it at the next positions).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -96,6 +99,9 @@ class ModelRunnerOutput:
     forward_seconds: float = 0.0
     # Transfers the KV connector finished this step, on every rank (None: no connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Speculative decoding: per request that had drafts, how many of them the target accepted
+    # (its tokens this step: those drafts, then its entry in sampled_token_ids).
+    num_accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,3 +138,9 @@ class SchedulerStats:
     kv_transfer_seconds: float = 0.0
     num_waiting_for_remote_kvs: int = 0  # now: requests whose KV is being loaded
     num_held_blocks: int = 0  # now: blocks of finished requests a KV connector still uses
+    # Speculative decoding, since start (vLLM's names): steps of a request that verified
+    # drafts, the drafts verified and accepted, and the accepted ones by draft position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

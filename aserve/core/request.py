@@ -78,6 +78,9 @@ class Request:
         # whether a load failed (the connector is then not asked again).
         self.num_external_computed_tokens = 0
         self.kv_load_failed = False
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next
+        # step that schedules them (core/speculation.py); [] while there are none
+        self.spec_token_ids: list[int] = []
 
     @property
     def kv_transfer_params(self) -> dict | None:

@@ -42,6 +42,7 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
+from aserve.core.speculation import NgramProposer, can_speculate
 from aserve.core.step_cost import StepCostModel, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
 
@@ -67,6 +68,11 @@ class Scheduler:
         self.step_cost = StepCostModel()
         self.remote_kv = make_remote_kv(kv_connector, self.kv_cache_manager)
         self._last_output: SchedulerOutput | None = None
+        speculative = scheduler_config.speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_num_drafts = self.spec_num_draft_tokens = 0
+        self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens
+                                            if speculative is not None else 0)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -127,6 +133,9 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         for req_id, num_tokens in plan.num_scheduled.items():
+            drafts = self.requests[req_id].spec_token_ids
+            if drafts:  # (trimmed to what the step gives: _schedule_running)
+                output.scheduled_spec_decode_tokens[req_id] = list(drafts)
             request = self.requests[req_id]
             if not is_prefill(request, request.num_computed_tokens, num_tokens):
                 output.num_decode_tokens += 1
@@ -168,6 +177,8 @@ class Scheduler:
                             or self.config.max_batches_in_flight > 1):
             return 0  # its token in flight is its last one, or the next batch needs it
         num_new = request.num_tokens + num_pending - num_computed
+        if num_new == 1:  # decoding: its drafts ride along (none without speculation)
+            num_new += len(request.spec_token_ids)
         threshold = self.config.prefill.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
@@ -178,6 +189,8 @@ class Scheduler:
         while index < len(self.running) and plan.num_tokens > 0:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
+            if request.spec_token_ids and num_new > 0:  # the drafts the budget leaves room for
+                del request.spec_token_ids[num_new - 1:]
             if num_new <= 0:
                 index += 1
                 continue
@@ -198,6 +211,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0  # a token in flight is dropped and sampled again
         request.num_external_computed_tokens = 0  # loaded K/V gone too: recomputed
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -314,16 +328,50 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            request.append_output_token_ids([token_id])
-            kv_transfer_params = None
-            if request.check_stop(token_id, self.config.max_model_len):
-                self.running.remove(request)
-                kv_transfer_params = self._free(request)
+            new_token_ids = self._verified_tokens(
+                request, scheduler_output.scheduled_spec_decode_tokens.get(req_id),
+                runner_output.num_accepted_drafts.get(req_id, 0), token_id)
+            kv_transfer_params, appended = None, 0
+            for new_token_id in new_token_ids:
+                request.append_output_token_ids([new_token_id])
+                appended += 1
+                if request.check_stop(new_token_id, self.config.max_model_len):
+                    self.running.remove(request)
+                    kv_transfer_params = self._free(request)
+                    break
             outputs.append(EngineCoreOutput(
-                req_id, [token_id], runner_output.logprobs.get(req_id), prompt_logprobs,
-                request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
-                kv_transfer_params))
+                req_id, new_token_ids[:appended], runner_output.logprobs.get(req_id),
+                prompt_logprobs, request.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0), kv_transfer_params))
+            if self.proposer is not None and not request.is_finished:
+                self._propose(request)
         return outputs
+
+    def _verified_tokens(self, request: Request, drafts: list[int] | None, num_accepted: int,
+                         token_id: int) -> list[int]:
+        """The tokens a step gave `request`: its accepted drafts, then the token sampled
+        after them. The rejected drafts' positions are rolled back (their K/V slots are
+        written again by the steps that compute the real tokens there)."""
+        request.spec_token_ids = []
+        if not drafts:
+            return [token_id]
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
+        return [*drafts[:num_accepted], token_id]
+
+    def _propose(self, request: Request) -> None:
+        """Drafts for a decoding request's next step, as many as its max_tokens and the
+        model's length leave room for after the token the step samples anyway."""
+        if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(
+                request.sampling_params, request.num_output_tokens, request.grammar is not None):
+            return
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens) - 1
+        if room > 0:
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
                                      start: int) -> LogprobsLists | None:
@@ -349,6 +397,10 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=sum(self.spec_accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_accepted_per_pos),
         ))
 
     def reset_prefix_cache(self) -> bool:
@@ -393,6 +445,6 @@ class Scheduler:
                                                 config.max_num_batched_tokens)
             num_held = sum(1 for block_id in block_ids if block_id != 0)
             assert num_held <= max_blocks, f"{request} holds {num_held} blocks of group {group_id}"
-        assert request.num_computed_tokens <= (
-            request.num_tokens + request.num_output_placeholders), request
+        assert request.num_computed_tokens <= (request.num_tokens + request.num_output_placeholders
+                                               + len(request.spec_token_ids)), request
         assert request.num_output_placeholders <= 2 * config.async_scheduling, request

@@ -18,8 +18,12 @@ from aserve.core.request import Request
 
 def is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
     """Whether `num_new` tokens from `num_computed` on are a prefill chunk (prompt, or the
-    recomputation of a preempted request), not a decode's one token past the prompt."""
-    return num_new > 1 or num_computed < request.num_prompt_tokens
+    recomputation of a preempted request), not a decode's one token past the prompt (with its
+    drafts, under speculative decoding)."""
+    if num_computed < request.num_prompt_tokens:
+        return True
+    drafts = len(request.spec_token_ids) if num_computed + 1 == request.num_tokens else 0
+    return num_new > 1 + drafts
 
 
 class StepPlan:

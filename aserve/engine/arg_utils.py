@@ -13,6 +13,8 @@ from aserve.config import (
     ModelConfig,
     PrefillPolicy,
     SchedulerConfig,
+    SpeculativeConfig,
+    SpeculativeConfigError,
 )
 from aserve.executor.spec import RankLayout, WorkerSpec
 from aserve.quantization import QUANTIZATION_NAMES
@@ -82,6 +84,10 @@ class EngineArgs:
     # Disaggregated prefill: a KV connector, as vLLM's --kv-transfer-config (its JSON text, a
     # dict of its keys or a KVTransferConfig: a KVTransferConfig once constructed); None: none
     kv_transfer_config: KVTransferConfig | dict | str | None = None
+    # Speculative decoding, as vLLM's --speculative-config (its JSON text, a dict of its keys
+    # or a SpeculativeConfig: a SpeculativeConfig once constructed); None: none. It turns
+    # async scheduling off: a step's drafts follow the tokens of the step before.
+    speculative_config: SpeculativeConfig | dict | str | None = None
     # Several nodes: one `python -m aserve` per node, each starting its share of the ranks; node
     # 0 serves. Defaults come from torchrun's variables (NNODES, NODE_RANK / GROUP_RANK,
     # MASTER_ADDR, MASTER_PORT) when set.
@@ -115,6 +121,12 @@ class EngineArgs:
             raise ValueError(f"moe_combine {self.moe_combine!r} must be one of "
                              f"{', '.join(MOE_COMBINES)}.")
         self._check_kv_transfer_config()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+            if self.kv_transfer_config is not None:
+                raise SpeculativeConfigError("speculative_config does not work with a KV "
+                                             "connector (kv_transfer_config) yet.")
+            self.async_scheduling = False
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             if len(parts) != self.pipeline_parallel_size or not all(
@@ -184,6 +196,7 @@ class EngineArgs:
             policy=self.scheduling_policy,
             async_scheduling=self.async_scheduling,
             max_batches_in_flight=self.max_batches_in_flight,
+            speculative=self.speculative_config,
         )
 
     @property

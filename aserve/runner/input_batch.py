@@ -16,7 +16,7 @@ holds t.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -41,12 +41,19 @@ class PreparedInputs:
     # (request index, first prompt position, rows) per request asking for prompt logprobs: the
     # hidden row of position p predicts prompt token p + 1.
     prompt_logprob_spans: list[tuple[int, int, int]]
+    # Speculative decoding: (request index, its drafts) per request verifying drafts; their
+    # rows of logits come last in logits_indices, each request's k rows in order (row j
+    # predicts draft j + 1; the row after the drafts is the request's sampling row).
+    spec_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
-                   block_tables: list[np.ndarray], block_size: int) -> PreparedInputs:
+                   block_tables: list[np.ndarray], block_size: int,
+                   drafts: list[list[int]] | None = None) -> PreparedInputs:
     """`block_tables`: per KV cache group, [len(states), max_num_blocks] int32, row i the
-    block ids of `states[i]`, zero-padded."""
+    block ids of `states[i]`, zero-padded. `drafts[i]`: the tokens request i's query runs on
+    past its known ones (speculative decoding), or None."""
+    drafts = drafts or [[]] * len(states)
     num_reqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -60,8 +67,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         positions = num_computed.astype(np.int64)
     else:
         input_ids = np.concatenate([
-            np.asarray(s.all_token_ids[c:c + n], dtype=np.int64)
-            for s, c, n in zip(states, num_computed, num_scheduled)
+            np.asarray((s.all_token_ids + d if d else s.all_token_ids)[c:c + n], dtype=np.int64)
+            for s, c, n, d in zip(states, num_computed, num_scheduled, drafts)
         ])
         # position of each token = its request's computed count + its offset in the query
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
@@ -74,7 +81,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    sample_req_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+    sample_req_indices = [i for i, (s, d) in enumerate(zip(states, drafts))
+                          if seq_lens[i] == s.num_tokens + len(d)]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
     for i, (state, c, n) in enumerate(zip(states, num_computed, num_scheduled)):
@@ -84,6 +92,10 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         if c < end:
             spans.append((i, int(c), end - int(c)))
             rows.append(np.arange(query_start_loc[i], query_start_loc[i] + end - c))
+    spec_drafts = [(i, d) for i, d in enumerate(drafts) if d]
+    for i, d in spec_drafts:  # rows at the last known token and the drafts but the last
+        last = query_start_loc[i + 1] - 1
+        rows.append(np.arange(last - len(d), last))
     return PreparedInputs(
         input_ids=input_ids,
         positions=positions,
@@ -96,6 +108,7 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         sample_req_indices=sample_req_indices,
         logits_indices=np.concatenate(rows).astype(np.int64),
         prompt_logprob_spans=spans,
+        spec_drafts=spec_drafts,
     )
 
 

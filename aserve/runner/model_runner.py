@@ -51,6 +51,7 @@ from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
+from aserve.runner.spec_verify import verify_drafts
 
 T = TypeVar("T")
 
@@ -229,8 +230,10 @@ class ModelRunner:
                                                            so.finished_req_ids)
             return StartedStep([], [], None, None, 0.0, NO_MASKS, kv_output)
         states = [self.requests[r] for r in req_ids]
+        spec = so.scheduled_spec_decode_tokens
         inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
-                                self.block_tables.gather(req_ids), self.block_size)
+                                self.block_tables.gather(req_ids), self.block_size,
+                                [spec.get(r, []) for r in req_ids] if spec else None)
         if self.platform.static_shapes:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
@@ -262,17 +265,39 @@ class ModelRunner:
             logits = self.receive_logits(len(inputs.logits_indices))
         forward_seconds = time.perf_counter() - step.start
         num_sampling = len(inputs.sample_req_indices)
-        prompt_logprobs = self._prompt_logprobs(states, inputs, logits[num_sampling:])
+        num_drafts = sum(len(d) for _, d in inputs.spec_drafts)
+        prompt_logprobs = self._prompt_logprobs(
+            states, inputs, logits[num_sampling:len(logits) - num_drafts])
         sampled: list[int | None] = [None] * len(step.req_ids)
         logprobs: dict[str, LogprobsLists] = {}
+        accepted: dict[str, int] = {}
         if num_sampling:
             sample_states = [states[i] for i in inputs.sample_req_indices]
             token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks)
-            for i, state, token_id in zip(inputs.sample_req_indices, sample_states, token_ids):
+            for i, token_id in zip(inputs.sample_req_indices, token_ids):
                 sampled[i] = token_id
-                state.append_output_token_id(token_id)
+            if num_drafts:
+                for (i, drafts), (n, token_id) in zip(inputs.spec_drafts, self._verify(
+                        states, inputs, logits[len(logits) - num_drafts:], sampled)):
+                    accepted[states[i].req_id], sampled[i] = n, token_id
+                    for draft in drafts[:n]:
+                        states[i].append_output_token_id(draft)
+            for i in inputs.sample_req_indices:
+                states[i].append_output_token_id(sampled[i])
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
-                                 forward_seconds, step.kv_output)
+                                 forward_seconds, step.kv_output, accepted)
+
+    def _verify(self, states: list[CachedRequestState], inputs: PreparedInputs,
+                logits: torch.Tensor, sampled: list[int | None]) -> list[tuple[int, int]]:
+        """(drafts accepted, the token after them) per request of `inputs.spec_drafts`, from
+        its draft rows of `logits` and the token its sampling row drew (`spec_verify.py`)."""
+        rows = [states[i] for i, drafts in inputs.spec_drafts for _ in drafts]
+        metadata = SamplingMetadata.build(rows, self.vocab_size, self.device,
+                                          generator=self.generator)
+        return verify_drafts(logits, [d for _, d in inputs.spec_drafts],
+                             [sampled[i] for i, _ in inputs.spec_drafts], metadata,
+                             self.sampler.argmax,
+                             lambda probs, n: self.sampler.uniforms(probs, metadata, n))
 
     def receive_logits(self, num_rows: int) -> torch.Tensor:
         """Stage 0: the logits of a step, from the last stage."""

@@ -115,6 +115,11 @@ class Sampler(torch.nn.Module):
             return random
         return torch.where(metadata.temperature == 0, greedy, random)
 
+    def uniforms(self, probs: torch.Tensor, metadata: SamplingMetadata, n: int) -> torch.Tensor:
+        """n float64 draws in [0, 1) on probs' device, from the generators rows draw from (for
+        the verification of drafts: `spec_decode/verify.py`)."""
+        return self._draws(probs, metadata, (n,), torch.float64, torch.Tensor.uniform_)
+
     def _draws(self, probs: torch.Tensor, metadata: SamplingMetadata, shape: tuple[int, ...],
                dtype: torch.dtype, fill: Callable[..., torch.Tensor]) -> torch.Tensor:
         """Random draws of `shape` (a row per sampled row), `fill`ed (`Tensor.uniform_`,

@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING, Any
 
 import aserve
 from aserve.assets import DEMO_MODEL_DIR, DEMO_MODEL_NAME
-from aserve.engine.arg_utils import EngineArgs, GGUFError, KVTransferConfigError
+from aserve.engine.arg_utils import (
+    EngineArgs,
+    GGUFError,
+    KVTransferConfigError,
+    SpeculativeConfigError,
+)
 from aserve.sampling_params import SamplingParams
 from aserve.server.connections import add_connection_args, connection_limits_from, raise_fd_limit
 from aserve.server.hub import ModelNotFound, resolve_model
@@ -53,6 +58,11 @@ ENGINE_HELP = {
                           "with kv_connector_extra_config.shared_storage_path; kv_role "
                           "kv_producer | kv_consumer | kv_both; P2pConnector needs the shared "
                           "secret in $ASERVE_KV_SECRET (default: none)",
+    "speculative_config": "speculative decoding, as JSON with vLLM's keys, e.g. "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                          "\"prompt_lookup_max\": 5, \"prompt_lookup_min\": 2}' (n-gram "
+                          "lookup in the request's own tokens; turns async scheduling off; "
+                          "default: none)",
     "model": "a HF model directory (config.json, *.safetensors, tokenizer.json) or a hub id "
              "org/name, downloaded into the HF cache unless HF_HUB_OFFLINE=1 (default: the "
              "built-in demo model, served as aserve-demo)",
@@ -373,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.prompt:
             return generate_offline(engine_args, ns)
         return serve(engine_args, ns)
-    except (KVTransferConfigError, GGUFError) as e:  # a startup error of the server: exit 1
+    except (KVTransferConfigError, SpeculativeConfigError, GGUFError) as e:  # startup: exit 1
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (UsageError, ModelNotFound, ValueError, FileNotFoundError) as e:

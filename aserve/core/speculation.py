@@ -1,0 +1,61 @@
+"""Speculative decoding's scheduler side (docs/design.md §8, "Speculative decoding"): after
+each step the scheduler asks the proposer for drafts to follow a request's tokens, gives the
+request 1 + drafts tokens the next step (KV slots included), and keeps the drafts the runner
+verified (`runner/spec_verify.py`) as its tokens; the rest of the step is rolled back.
+
+`NgramProposer`: prompt-lookup drafts. The sequence's last n tokens (n from
+prompt_lookup_max down to prompt_lookup_min) are looked for earlier in the same sequence
+(prompt and output); at the latest earlier match, the tokens that followed it are the drafts:
+
+    tokens   ... the cat sat on the mat . the cat sat
+    suffix (n = 3)                            the cat sat
+    match        the cat sat                 -> drafts: on the mat (k = 3)
+
+Replies that quote or edit their input (code edits, JSON conversions, tool arguments) repeat
+long runs of it, and every run after its first n tokens is drafted whole. The scan is numpy
+over the last `window` tokens: O(window x n) a request and step, well under a millisecond at
+a few thousand tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from aserve.config import SpeculativeConfig
+from aserve.sampling_params import SamplingParams
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, window: int = 8192) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+        self.window = window
+
+    def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
+        """Up to min(k, max_drafts) drafts to follow `token_ids`; [] when no suffix of
+        min_n .. max_n tokens occurred before."""
+        k = self.k if max_drafts is None else min(self.k, max_drafts)
+        if k <= 0 or len(token_ids) <= self.min_n:
+            return []
+        tokens = np.asarray(token_ids[-self.window:], dtype=np.int64)
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # starts i of earlier occurrences: tokens[i:i + n] == the suffix, i + n < length
+            windows = sliding_window_view(tokens[:-1], n)  # [length - n, n]
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start:start + k].tolist()
+        return []
+
+
+def can_speculate(params: SamplingParams, num_output_tokens: int, has_grammar: bool) -> bool:
+    """Whether a request's next step may carry drafts: its every token is then drawn from
+    the target's temperature / top-k / top-p / min-p distribution, which `verify_drafts`
+    reproduces exactly. Requests with penalties, logit bias, logprobs, a seed, a grammar, or
+    below min_tokens decode a token a step as before (later sessions widen this)."""
+    return (not has_grammar and params.logprobs is None and not params.logit_bias
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
+            and params.repetition_penalty == 1.0
+            and (params.seed is None or params.temperature == 0.0)
+            and num_output_tokens >= params.min_tokens)

@@ -1,0 +1,89 @@
+"""Speculative decoding end to end (n-gram drafts): greedy outputs identical with and without
+it under the schedules that move `num_computed_tokens` (chunks, preemption, prefix hits), stop
+tokens and max_tokens inside accepted drafts, random sampling's lengths, and bad configs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from aserve import LLM, SamplingParams
+from aserve.config import SpeculativeConfigError
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 1}
+
+
+def prompts(count: int = 6) -> list[dict]:
+    """Prompts that repeat themselves (as edits and quotes do): a random run, twice over,
+    with a little in between, so drafts come from the prompt as well as from the output."""
+    rng = random.Random(0)
+    out = []
+    for i in range(count):
+        run = [rng.randrange(3, 500) for _ in range(8 + 3 * i)]
+        out.append({"prompt_token_ids": run + [rng.randrange(3, 500)] + run[: 4 + i]})
+    return out
+
+
+def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> list[list[int]]:
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), greedy())]
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},
+    {"num_kv_blocks": 14, "block_size": 8, "max_model_len": 80},
+], ids=["default", "16_token_chunks", "forced_preemption"])
+def test_greedy_is_the_same_with_ngram_drafts(llama_dir, reference, settings) -> None:
+    llm = LLM(llama_dir, dtype="float32", speculative_config=NGRAM,
+              **{"max_model_len": 256, **settings})
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate(prompts(), greedy())
+        assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = llm.stats()
+    assert stats.spec_decode_num_drafts > 0
+    # drafts were accepted (tokens gained) and rejected (steps rolled back) both
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+        stats.spec_decode_num_accepted_tokens)
+    if "num_kv_blocks" in settings:
+        assert stats.num_preemptions > 0
+    else:
+        assert stats.prefix_cache_hits > 0
+
+
+def test_stops_and_max_tokens_inside_accepted_drafts(llama_dir, reference) -> None:
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    for want, tokens in zip(prompts(), reference):
+        stop = tokens[25]
+        first = tokens.index(stop)
+        out = llm.generate([want], greedy(stop_token_ids=[stop]))[0].outputs[0]
+        assert out.token_ids == tokens[:first + 1] and out.finish_reason == "stop"
+        for max_tokens in (1, 7, 23):
+            out = llm.generate([want], greedy(max_tokens))[0].outputs[0]
+            assert out.token_ids == tokens[:max_tokens] and out.finish_reason == "length"
+    assert llm.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_random_sampling_with_drafts_keeps_its_lengths(llama_dir) -> None:
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.3, top_k=5, max_tokens=30, ignore_eos=True)
+    outs = llm.generate(prompts(), params)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs)
+    assert llm.stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 0},
+    {"num_speculative_tokens": 99}, {"bogus": 1}, "{not json",
+])
+def test_bad_speculative_configs_are_refused(llama_dir, config) -> None:
+    with pytest.raises(SpeculativeConfigError):
+        LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=config)
