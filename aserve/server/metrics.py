@@ -1,7 +1,8 @@
 """Prometheus metrics under the names vLLM users' dashboards know, prefixed `aserve:`.
 
 Engine gauges and totals (running, waiting, KV-cache usage, prefix-cache queries and hits,
-preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved)
+preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved;
+with speculative decoding, drafts verified and accepted, also by position)
 are read from the engine's latest published stats when scraped; request metrics
 (tokens, finishes, TTFT, inter-token and end-to-end latency) are recorded by the routes through a
 `RequestTracker`. Each app has its own registry, so several apps can live in one process. The
@@ -63,10 +64,24 @@ class _EngineStatsCollector(Collector):
              "over all ranks.", stats.kv_transfer_bytes if stats else 0),
             ("kv_transfer_seconds", "Seconds the connector spent moving KV, over all ranks.",
              stats.kv_transfer_seconds if stats else 0.0),
+            ("spec_decode_num_drafts", "Speculative decoding: a request's steps that "
+             "verified drafts.", stats.spec_decode_num_drafts if stats else 0),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified.",
+             stats.spec_decode_num_draft_tokens if stats else 0),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             stats.spec_decode_num_accepted_tokens if stats else 0),
         ):
             family = CounterMetricFamily(f"aserve:{metric}", doc, labels=["model_name"])
             family.add_metric(name, value)
             yield family
+        family = CounterMetricFamily(
+            "aserve:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by their position in the draft.",
+            labels=["model_name", "position"])
+        for position, value in enumerate(
+                stats.spec_decode_num_accepted_tokens_per_pos if stats else ()):
+            family.add_metric([*name, str(position)], value)
+        yield family
 
 
 class RequestTracker:

@@ -10,8 +10,8 @@ from aserve.backends.ops import argmax_ref
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, filtered_probs
 from aserve.runner.sampling_metadata import SamplingMetadata
-from aserve.sampling_params import SamplingParams
 from aserve.runner.spec_verify import verify_drafts
+from aserve.sampling_params import SamplingParams
 
 VOCAB = 8
 

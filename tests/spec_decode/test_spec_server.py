@@ -1,0 +1,37 @@
+"""A server with n-gram drafts: streamed greedy completions equal the non-speculative ones,
+and /metrics counts drafts under vLLM's names (per position too)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from helpers.server import serving, tiny_app
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+PROMPT = [17, 41, 99, 250, 7, 63, 17, 41, 99, 250, 7]  # repeats itself: drafts from the start
+
+
+def completions(url: str) -> list[str]:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40,
+                                      temperature=0.0, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=40,
+                                         temperature=0.0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    return [plain.choices[0].text, "".join(c.choices[0].text for c in streamed)]
+
+
+def test_served_drafts_change_no_token_and_are_counted(model_dir_factory) -> None:
+    model_dir = model_dir_factory("llama")
+    with serving(tiny_app(model_dir)) as url:
+        expected = completions(url)
+    with serving(tiny_app(model_dir, speculative_config=NGRAM)) as url:
+        assert completions(url) == expected
+        text = httpx.get(f"{url}/metrics").text
+    counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("aserve:spec_decode") and "position" not in line}
+    assert counters["aserve:spec_decode_num_drafts_total"] > 0
+    accepted = counters["aserve:spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= counters["aserve:spec_decode_num_draft_tokens_total"]
+    per_pos = 'aserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position='
+    assert f'{per_pos}"0"}}' in text
