@@ -8,7 +8,7 @@ import openai
 from helpers.server import serving, tiny_app
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-PROMPT = [17, 41, 99, 250, 7, 63, 17, 41, 99, 250, 7]  # repeats itself: drafts from the start
+PROMPT = [100, 200, 300] * 4  # repeats itself: drafts from the start (and the reply repeats)
 
 
 def completions(url: str) -> list[str]:
