@@ -42,7 +42,7 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.speculation import NgramProposer, can_speculate
+from aserve.core.speculation import NgramProposer, can_speculate, worthwhile_drafts
 from aserve.core.step_cost import StepCostModel, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
 
@@ -356,6 +356,7 @@ class Scheduler:
         if not drafts:
             return [token_id]
         request.num_computed_tokens -= len(drafts) - num_accepted
+        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * num_accepted / len(drafts)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
         for position in range(num_accepted):
@@ -363,13 +364,18 @@ class Scheduler:
         return [*drafts[:num_accepted], token_id]
 
     def _propose(self, request: Request) -> None:
-        """Drafts for a decoding request's next step, as many as its max_tokens and the
-        model's length leave room for after the token the step samples anyway."""
+        """Drafts for a decoding request's next step: as many as pay for themselves in a
+        step of this many decodes (`worthwhile_drafts`, from the step-cost fit and the
+        request's acceptance so far), and as its max_tokens and the model's length leave
+        room for after the token the step samples anyway."""
         if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(
                 request.sampling_params, request.num_output_tokens, request.grammar is not None):
             return
         room = min(request.max_tokens - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens) - 1
+                   self.config.max_model_len - request.num_tokens,
+                   worthwhile_drafts(self.proposer.k, request.spec_acceptance,
+                                     self.step_cost.fixed_cost_tokens(), len(self.running)) + 1
+                   ) - 1
         if room > 0:
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
 

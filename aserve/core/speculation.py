@@ -18,6 +18,8 @@ a few thousand tokens."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -59,3 +61,27 @@ def can_speculate(params: SamplingParams, num_output_tokens: int, has_grammar: b
             and params.repetition_penalty == 1.0
             and (params.seed is None or params.temperature == 0.0)
             and num_output_tokens >= params.min_tokens)
+
+
+# The acceptance a request starts from, before its own drafts are verified, and the lowest
+# a request's estimate goes (below it a request would stop drafting for good: it still
+# drafts one or two tokens while steps are cheap, and recovers if its text starts repeating)
+PRIOR_ACCEPTANCE = 0.5
+MIN_ACCEPTANCE = 0.1
+
+
+def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None,
+                      num_decoding: int) -> int:
+    """How many of k drafts are worth their cost in a step of `num_decoding` decodes, by the
+    step-cost model (`step_cost.py`: a step costs a + b * tokens, F = a / b).
+
+    Draft j (1-based) is accepted with probability ~acceptance^j and costs one token, b. A
+    token is worth what a step without drafts spends on each of its tokens, (a + b D) / D. So
+    draft j pays while acceptance^j * (F + D) > D: always while a step is mostly its fixed cost
+    (few decodes against F), never once D is large beside F (the step is compute-bound, and
+    speculation would cost throughput). F unknown (no fit yet): all k."""
+    if fixed_cost_tokens is None or num_decoding <= 0:
+        return k
+    alpha = min(max(acceptance, MIN_ACCEPTANCE), 0.999)
+    ratio = num_decoding / (fixed_cost_tokens + num_decoding)  # < 1
+    return max(0, min(k, math.ceil(math.log(ratio) / math.log(alpha)) - 1))

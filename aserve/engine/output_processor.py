@@ -123,19 +123,22 @@ class OutputProcessor:
         parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
         if output.kv_transfer_params is not None:
             parent.kv_transfer_params = output.kv_transfer_params
-        child.token_ids.extend(output.new_token_ids)
-        if output.new_logprobs is not None and child.logprobs is not None:
-            for entry in self._logprob_dicts(output.new_logprobs):
-                child.logprobs.append(entry)
-                child.cumulative_logprob += entry[next(iter(entry))].logprob
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         new_ids = output.new_token_ids
         if (finish_reason == "stop" and not isinstance(stop_reason, str)
                 and not parent.params.include_stop_str_in_output):
             new_ids = new_ids[:-1]  # the EOS / stop token itself is not part of the text
-        stop_str = child.detokenizer.update(new_ids, finish_reason is not None)
+        stop_str, kept = self._update_text(child, new_ids, finish_reason is not None)
         if stop_str is not None:
             finish_reason, stop_reason = "stop", stop_str
+            kept = min(kept, len(output.new_token_ids))
+        else:
+            kept = len(output.new_token_ids)
+        child.token_ids.extend(output.new_token_ids[:kept])
+        if output.new_logprobs is not None and child.logprobs is not None:
+            for entry in self._logprob_dicts(output.new_logprobs)[:kept]:
+                child.logprobs.append(entry)
+                child.cumulative_logprob += entry[next(iter(entry))].logprob
         parent.completions[child.index] = CompletionOutput(
             index=child.index,
             text=child.detokenizer.output_text,
@@ -146,6 +149,22 @@ class OutputProcessor:
             stop_reason=stop_reason,
         )
         return stop_str
+
+    @staticmethod
+    def _update_text(child: ChildState, new_ids: list[int], finished: bool
+                     ) -> tuple[str | None, int]:
+        """Feed the detokenizer; (the stop string that appeared, the tokens up to and with the
+        one that completed it). Several tokens of one step (accepted drafts, under speculative
+        decoding) go one at a time where stop strings are watched for, so that the output ends
+        at the token a step-by-step decode would have ended it at."""
+        detokenizer = child.detokenizer
+        if len(new_ids) <= 1 or not detokenizer.stop:
+            return detokenizer.update(new_ids, finished), len(new_ids)
+        for i, token_id in enumerate(new_ids):
+            stop_str = detokenizer.update([token_id], finished and i == len(new_ids) - 1)
+            if stop_str is not None:
+                return stop_str, i + 1
+        return None, len(new_ids)
 
     def _add_prompt_logprobs(self, child: ChildState, lists: LogprobsLists) -> None:
         """Each of `n` children computes the prompt's logprobs (in chunks); the parent takes

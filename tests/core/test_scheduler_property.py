@@ -18,6 +18,7 @@ preemption and recompute must not change a single token.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from helpers.fake_runner import FakeRunner, fake_token, hybrid_cache_config
@@ -68,15 +69,17 @@ class Scenario:
     scheduler_config: SchedulerConfig
     cache_config: CacheConfig
     specs: tuple[Spec, ...]
+    token_fn: Callable[[str, int], int] = model  # the fake model
 
 
-def expected_output(spec: Spec, max_model_len: int) -> tuple[list[int], str]:
+def expected_output(spec: Spec, max_model_len: int,
+                    token_fn: Callable[[str, int], int] = model) -> tuple[list[int], str]:
     """The oracle: the tokens and finish reason the stop rules of DESIGN.md §3 give."""
     stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else {EOS})
     max_tokens = spec.max_tokens or 1 << 62
     out: list[int] = []
     while True:
-        out.append(model(spec.req_id, len(spec.prompt) + len(out)))
+        out.append(token_fn(spec.req_id, len(spec.prompt) + len(out)))
         if len(out) >= max_tokens or len(spec.prompt) + len(out) >= max_model_len:
             return out, "length"
         if len(out) >= spec.min_tokens and out[-1] in stop_ids:
@@ -144,7 +147,7 @@ def scenarios(draw: st.DrawFn, kinds: tuple[str, ...] = ("full", "hybrid", "hybr
 def run(scenario: Scenario, specs: tuple[Spec, ...]) -> tuple[FakeRunner, set[str]]:
     """Drive `specs` to the end; return the runner and the ids actually aborted."""
     scheduler = Scheduler(scenario.scheduler_config, scenario.cache_config)
-    runner = FakeRunner(scheduler, model)
+    runner = FakeRunner(scheduler, scenario.token_fn)
     aborted: set[str] = set()
     last_event = max(max(s.arrival_step, s.abort_step or 0) for s in specs)
     for step in range(MAX_STEPS):
@@ -172,11 +175,12 @@ def check_scenario(scenario: Scenario) -> Scheduler:
     scheduler that ran it (for its counters)."""
     runner, aborted = run(scenario, scenario.specs)
     max_model_len = scenario.scheduler_config.max_model_len
-    alone = Scenario(scenario.scheduler_config, scenario.cache_config, ())
+    alone = Scenario(scenario.scheduler_config, scenario.cache_config, (), scenario.token_fn)
     for spec in scenario.specs:
         solo_spec = Spec(**{**spec.__dict__, "arrival_step": 0, "abort_step": None})
         solo, _ = run(alone, (solo_spec,))
-        expected_tokens, expected_reason = expected_output(spec, max_model_len)
+        expected_tokens, expected_reason = expected_output(spec, max_model_len,
+                                                           scenario.token_fn)
         assert solo.streamed[spec.req_id] == expected_tokens
         assert solo.finish_reasons[spec.req_id] == expected_reason
         streamed = runner.streamed.get(spec.req_id, [])

@@ -23,6 +23,12 @@ real runner silently relies on:
   freed out-of-window block never leaves a read slot that nobody wrote or someone overwrote;
 - every block in the prefix cache holds exactly the tokens its hash names, for its group.
 
+With speculative decoding, a request's drafts (`scheduled_spec_decode_tokens`) are written
+into their slots like any token and verified as greedy would: draft j is accepted while it is
+the token the model samples at its position; the token after the accepted ones is sampled, and
+the runner's computed count rolls back to the accepted positions (the scheduler's does too,
+from `num_accepted_drafts`).
+
 With `async_scheduling` on, step N's tokens reach the scheduler only after step N+1 has been
 scheduled and executed (as in the engine, where N+1 runs while N's outputs are processed): the
 runner's token list then runs ahead of the scheduler's by the tokens in flight.
@@ -164,7 +170,12 @@ class FakeRunner:
                 assert num_tokens <= config.prefill.long_prefill_token_threshold
             assert request.status == RequestStatus.RUNNING
             assert request.num_computed_tokens <= (
-                request.num_tokens + request.num_output_placeholders)
+                request.num_tokens + request.num_output_placeholders
+                + len(output.scheduled_spec_decode_tokens.get(req_id, ())))
+            drafts = output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # a decode's token and its drafts, nothing else
+                assert num_tokens == 1 + len(drafts)
+                assert request.num_computed_tokens == request.num_tokens + len(drafts)
             for group_id, block_ids in enumerate(kv.get_block_ids(req_id)):
                 covered = len(block_ids) * self.block_size
                 assert covered >= request.num_computed_tokens, (
@@ -203,13 +214,17 @@ class FakeRunner:
         self._update_states(output)
         req_ids = list(output.num_scheduled_tokens)
         prompt_logprobs = {}
+        spec = output.scheduled_spec_decode_tokens
         for req_id in req_ids:
-            rows = self._compute(req_id, output.num_scheduled_tokens[req_id])
+            rows = self._compute(req_id, output.num_scheduled_tokens[req_id],
+                                 spec.get(req_id, []))
             if rows is not None:
                 prompt_logprobs[req_id] = rows
         for req_id in req_ids:  # all writes land before any read, as layer by layer on a GPU
             self._check_reads(req_id)
         self.check_prefix_cache_content()
+        accepted = {req_id: self._verify(req_id, spec[req_id]) for req_id in req_ids
+                    if spec.get(req_id)}
         sampled: list[int | None] = []
         for req_id in req_ids:
             state = self.states[req_id]
@@ -224,7 +239,21 @@ class FakeRunner:
             seconds = self.step_seconds(output.total_num_scheduled_tokens - num_decode,
                                         num_decode)
         return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
-                                 forward_seconds=seconds, kv_connector_output=kv_output)
+                                 forward_seconds=seconds, kv_connector_output=kv_output,
+                                 num_accepted_drafts=accepted)
+
+    def _verify(self, req_id: str, drafts: list[int]) -> int:
+        """Greedy verification of the drafts appended by `_compute`: keep the leading ones the
+        model samples at their positions, drop the rest, roll the computed count back."""
+        state = self.states[req_id]
+        first = len(state.tokens) - len(drafts)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == self.token_fn(req_id,
+                                                                           first + accepted):
+            accepted += 1
+        del state.tokens[first + accepted:]
+        state.num_computed_tokens = len(state.tokens)
+        return accepted
 
     def _update_states(self, output: SchedulerOutput) -> None:
         for req_id in output.finished_req_ids | output.preempted_req_ids:
@@ -244,12 +273,17 @@ class FakeRunner:
             for table, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
                 table.extend(new_ids)
 
-    def _compute(self, req_id: str, num_tokens: int) -> LogprobsLists | None:
-        """Write the K/V of the scheduled tokens; return the prompt-logprobs rows they give."""
+    def _compute(self, req_id: str, num_tokens: int, drafts: list[int] = ()
+                 ) -> LogprobsLists | None:
+        """Write the K/V of the scheduled tokens (the drafts' too, appended to the runner's
+        tokens until `_verify`); return the prompt-logprobs rows they give."""
         state, request = self.states[req_id], self.scheduler.requests[req_id]
         known = request.num_tokens  # the runner may hold tokens still in flight to the scheduler
         assert state.tokens[:known] == request.all_token_ids, f"runner, scheduler differ: {req_id}"
         assert len(state.tokens) <= known + request.num_output_placeholders
+        if drafts:
+            assert len(state.tokens) == known and not request.num_output_placeholders
+            state.tokens.extend(drafts)
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_tokens
         assert end == request.num_computed_tokens <= len(state.tokens)
         self._check_tables(req_id, start, end)

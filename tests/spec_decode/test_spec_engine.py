@@ -87,3 +87,22 @@ def test_random_sampling_with_drafts_keeps_its_lengths(llama_dir) -> None:
 def test_bad_speculative_configs_are_refused(llama_dir, config) -> None:
     with pytest.raises(SpeculativeConfigError):
         LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=config)
+
+
+def test_stop_strings_end_where_a_token_a_step_ends_them(llama_dir) -> None:
+    """A stop string completed by an accepted draft in the middle of a step's tokens: the
+    output ends at that token (later accepted tokens are dropped), text and ids as without
+    drafts. The stops are prefixes of the reply's text (from its second character), so each
+    first appears where it ends, one token after another."""
+    want = {"prompt_token_ids": [100, 200, 300] * 4}  # its reply repeats: drafts accepted
+    base = LLM(llama_dir, dtype="float32", max_model_len=256)
+    spec = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    text = base.generate([want], greedy(60))[0].outputs[0].text
+    stops = [text[1:end] for end in range(3, 40) if "\ufffd" not in text[1:end]]
+    assert len(stops) >= 5
+    for stop in stops:
+        params = greedy(60, stop=[stop])
+        expected, got = (llm.generate([want], params)[0].outputs[0] for llm in (base, spec))
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            expected.token_ids, expected.text, expected.finish_reason), stop
+    assert spec.stats().spec_decode_num_accepted_tokens > 0

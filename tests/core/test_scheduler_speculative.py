@@ -1,0 +1,67 @@
+"""Speculative decoding's scheduler side under random workloads (the property test's, with
+n-gram drafts on): drafts ride along decodes, get KV slots, and roll back when rejected, and
+every request still streams exactly the tokens its stop rules give, under memory pressure,
+chunking, prefix hits, sliding windows and aborts. The fake model repeats itself with noise, so
+drafts are accepted and rejected both; `FakeRunner` verifies them as greedy does and checks
+every step's slots, tables and prefix-cache contents."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+from helpers.fake_runner import fake_token
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_scheduler_property import VOCAB, Scenario, Spec, check_scenario, scenarios
+
+from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from aserve.core.scheduler import Scheduler
+
+
+def repeating(req_id: str, position: int) -> int:
+    """A model whose output cycles with a period of 2-5 tokens, one token in five off it."""
+    if fake_token(req_id, position + 10_000, 5) == 0:
+        return fake_token(req_id, position, VOCAB)
+    return fake_token(req_id, position % (2 + fake_token(req_id, -1, 4)), VOCAB)
+
+
+@st.composite
+def speculative_scenarios(draw: st.DrawFn) -> Scenario:
+    scenario = draw(scenarios())
+    spec = SpeculativeConfig(num_speculative_tokens=draw(st.integers(1, 4)),
+                             prompt_lookup_min=1, prompt_lookup_max=draw(st.integers(1, 3)))
+    config = dataclasses.replace(scenario.scheduler_config, async_scheduling=False,
+                                 speculative=spec)
+    return dataclasses.replace(scenario, scheduler_config=config, token_fn=repeating)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(speculative_scenarios())
+def test_random_workloads_with_drafts_stream_what_the_model_samples(scenario: Scenario) -> None:
+    check_scenario(scenario)
+
+
+def test_drafts_are_accepted_and_rejected_and_counted() -> None:
+    """Fixed workloads: drafts are verified, some accepted, some rejected, and the counters
+    add up (accepted by position sum to the accepted total)."""
+    rng = random.Random(0)
+    draft_tokens = accepted = preemptions = 0
+    for trial in range(12):
+        specs = tuple(Spec(f"t{trial}-{i}", tuple(rng.randrange(1, VOCAB) for _ in range(
+            rng.randrange(1, 8))), rng.randrange(3), 0, rng.randrange(6, 20), 0, True, (),
+            None, None) for i in range(4))
+        config = SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=rng.choice([4, 8, 32]), max_model_len=28,
+            speculative=SpeculativeConfig(num_speculative_tokens=rng.randrange(1, 5),
+                                          prompt_lookup_min=1, prompt_lookup_max=2))
+        cache = CacheConfig(block_size=rng.choice([1, 2, 4]), num_blocks=rng.choice([30, 60]))
+        scheduler: Scheduler = check_scenario(Scenario(config, cache, specs, repeating))
+        stats = scheduler.make_stats()
+        assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
+            stats.spec_decode_num_accepted_tokens)
+        draft_tokens += stats.spec_decode_num_draft_tokens
+        accepted += stats.spec_decode_num_accepted_tokens
+        preemptions += stats.num_preemptions
+    assert 0 < accepted < draft_tokens
+    assert preemptions > 0

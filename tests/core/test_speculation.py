@@ -1,0 +1,80 @@
+"""The scheduler side of speculative decoding, torch-free: the n-gram proposer, which requests
+may speculate, and the policy that stops drafting once a step is compute-bound."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.fake_runner import FakeRunner
+from test_scheduler_speculative import repeating
+
+from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from aserve.core.request import Request
+from aserve.core.scheduler import Scheduler
+from aserve.core.speculation import NgramProposer, can_speculate, worthwhile_drafts
+from aserve.sampling_params import SamplingParams
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                               prompt_lookup_max=3))
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]
+    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3], max_drafts=1) == [4]
+    # the longest suffix wins over a later shorter match: "2 3" occurs last before "7 2 3"
+    assert proposer.propose([7, 2, 3, 8, 8, 2, 3, 5, 7, 2, 3]) == [8, 8, 2]
+    assert proposer.propose([4, 5, 6]) == []  # nothing repeats
+    assert proposer.propose([6, 1, 6, 2, 6, 3, 6]) == [3, 6]  # the latest match, to the end
+    strict = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=2))
+    assert strict.propose([1, 2, 9, 2]) == []  # one token matches, two do not
+
+
+def test_only_plainly_sampled_requests_speculate() -> None:
+    assert can_speculate(SamplingParams(temperature=0.0), 0, False)
+    assert can_speculate(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 0, False)
+    assert can_speculate(SamplingParams(temperature=0.0, seed=3), 0, False)  # greedy: no draws
+    for params, outputs, grammar in [
+        (SamplingParams(temperature=0.0), 0, True),
+        (SamplingParams(logprobs=2), 0, False),
+        (SamplingParams(repetition_penalty=1.2), 0, False),
+        (SamplingParams(presence_penalty=0.5), 0, False),
+        (SamplingParams(logit_bias={3: 1.0}), 0, False),
+        (SamplingParams(temperature=1.0, seed=3), 0, False),
+        (SamplingParams(min_tokens=4), 3, False),
+    ]:
+        assert not can_speculate(params, outputs, grammar), params
+    assert can_speculate(SamplingParams(min_tokens=4), 4, False)
+
+
+def test_worthwhile_drafts_fall_as_the_batch_grows() -> None:
+    assert worthwhile_drafts(4, 0.7, None, 500) == 4  # no fit yet: all
+    counts = [worthwhile_drafts(4, 0.7, 200.0, d) for d in (1, 10, 100, 300, 1000, 5000)]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 4 and counts[-1] == 0
+    # draft j pays while 0.7^j (F + D) > D: D = 300, F = 200 -> 0.7 > 0.6 > 0.49
+    assert worthwhile_drafts(4, 0.7, 200.0, 300) == 1
+    assert worthwhile_drafts(4, 0.0, 200.0, 1) == 2  # a floor: 0.1^2 * 201 > 1 > 0.1^3 * 201
+    assert worthwhile_drafts(4, 0.95, 200.0, 300) > worthwhile_drafts(4, 0.5, 200.0, 300)
+
+
+@pytest.mark.parametrize("num_requests, drafts_late", [(1, True), (40, False)])
+def test_drafting_stops_when_steps_are_compute_bound(num_requests: int,
+                                                     drafts_late: bool) -> None:
+    """Steps cost 10 ms + 1 ms a token (F = 10 tokens): one stream keeps drafting, forty
+    streams stop once the fit is known."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=200,
+                             speculative=SpeculativeConfig(num_speculative_tokens=3,
+                                                           prompt_lookup_min=1))
+    scheduler = Scheduler(config, CacheConfig(block_size=4, num_blocks=4000))
+    runner = FakeRunner(scheduler, repeating,
+                        step_seconds=lambda prefill, decode: 0.010 + 0.001 * (prefill + decode))
+    for i in range(num_requests):
+        scheduler.add_request(Request(f"r{i}", [1 + i % 7, 2, 3], SamplingParams(
+            temperature=0.0, max_tokens=60, ignore_eos=True)))
+    late_drafts = 0
+    for step in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        output, _ = runner.step()
+        if step >= 20:
+            late_drafts += sum(map(len, output.scheduled_spec_decode_tokens.values()))
+    assert not scheduler.has_unfinished_requests()
+    assert (late_drafts > 0) == drafts_late
+    assert all(len(tokens) == 60 for tokens in runner.streamed.values())

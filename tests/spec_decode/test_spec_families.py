@@ -1,0 +1,84 @@
+"""Greedy with n-gram drafts equals HF transformers' on every model family's tiny model —
+sliding windows (their blocks freed behind the window while drafts roll back), mixtures of
+experts, soft-caps — under 16-token chunks and small blocks; constrained requests decode
+beside speculating ones unchanged; TP=2 and PP=2 (slow)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers.hf_models import MOE_CASES, SLIDING_CASES, hf_greedy
+
+from aserve import LLM, SamplingParams
+from aserve.sampling_params import StructuredOutputsParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+NUM_NEW = 24
+CASES = {
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),
+    **{name: SLIDING_CASES[name] for name in ("gemma2", "mistral", "qwen2")},
+    **{name: MOE_CASES[name] for name in ("mixtral", "qwen3_moe")},
+}
+
+
+def repeating_prompts() -> list[list[int]]:
+    """Prompts that repeat runs of themselves (drafts from the first step on) of lengths
+    around the windows and the 16-token chunks."""
+    rng = random.Random(3)
+    out = []
+    for n in (5, 9, 14, 21):
+        run = [rng.randrange(3, 500) for _ in range(n)]
+        out.append(run + run[: max(2, n // 2)])
+    out.append([100, 200, 300] * 4)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_with_drafts_matches_hf(model_dir_factory, case) -> None:
+    arch, overrides = CASES[case]
+    model_dir = model_dir_factory(arch, **overrides)
+    prompts = repeating_prompts()
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
+             long_prefill_token_threshold=16, block_size=8,
+             speculative_config=NGRAM) as llm:
+        for _ in range(2):  # the second pass hits the prefix cache
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            assert [o.outputs[0].token_ids for o in outs] == expected
+        stats = llm.stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+
+
+def test_constrained_requests_beside_speculating_ones(llama_dir) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = SamplingParams(temperature=0.0, max_tokens=30,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in repeating_prompts()]
+    params = [constrained if i % 2 else free for i in range(len(prompts))]
+    results = []
+    for spec in (None, NGRAM):
+        with LLM(llama_dir, dtype="float32", max_model_len=128,
+                 speculative_config=spec) as llm:
+            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            drafts = llm.stats().spec_decode_num_draft_tokens
+    assert results[1] == results[0]
+    assert drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
+                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_parallel_layouts_with_drafts_match_hf(model_dir_factory, layout) -> None:
+    model_dir = model_dir_factory("llama")
+    prompts = repeating_prompts()
+    expected = hf_greedy(model_dir, prompts, NUM_NEW)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    with LLM(model_dir, dtype="float32", max_model_len=128, block_size=8,
+             speculative_config=NGRAM, **layout) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.stats().spec_decode_num_accepted_tokens > 0
