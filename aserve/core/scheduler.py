@@ -42,7 +42,12 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.speculation import NgramProposer, can_speculate, worthwhile_drafts
+from aserve.core.speculation import (
+    NgramProposer,
+    can_speculate,
+    max_drafts_before_min_tokens,
+    worthwhile_drafts,
+)
 from aserve.core.step_cost import StepCostModel, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
 
@@ -368,14 +373,18 @@ class Scheduler:
         step of this many decodes (`worthwhile_drafts`, from the step-cost fit and the
         request's acceptance so far), and as its max_tokens and the model's length leave
         room for after the token the step samples anyway."""
+        params = request.sampling_params
         if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(
-                request.sampling_params, request.num_output_tokens, request.grammar is not None):
+                params, request.grammar is not None):
             return
         room = min(request.max_tokens - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens,
                    worthwhile_drafts(self.proposer.k, request.spec_acceptance,
                                      self.step_cost.fixed_cost_tokens(), len(self.running)) + 1
                    ) - 1
+        below_min = max_drafts_before_min_tokens(request.num_output_tokens, params.min_tokens)
+        if below_min is not None:
+            room = min(room, below_min)
         if room > 0:
             request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
 

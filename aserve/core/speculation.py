@@ -51,16 +51,25 @@ class NgramProposer:
         return []
 
 
-def can_speculate(params: SamplingParams, num_output_tokens: int, has_grammar: bool) -> bool:
-    """Whether a request's next step may carry drafts: its every token is then drawn from
-    the target's temperature / top-k / top-p / min-p distribution, which `verify_drafts`
-    reproduces exactly. Requests with penalties, logit bias, logprobs, a seed, a grammar, or
-    below min_tokens decode a token a step as before (later sessions widen this)."""
-    return (not has_grammar and params.logprobs is None and not params.logit_bias
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0
-            and params.repetition_penalty == 1.0
-            and (params.seed is None or params.temperature == 0.0)
-            and num_output_tokens >= params.min_tokens)
+def can_speculate(params: SamplingParams, has_grammar: bool) -> bool:
+    """Whether a request's steps may carry drafts: its every token is then drawn from the
+    target's distribution after logit bias, the min_tokens mask, temperature, top-k, top-p and
+    min-p and the penalties (each row counting the drafts before it as output), which
+    `verify_drafts` reproduces exactly; logprobs, of the raw logits, come from the same rows.
+    Random sampling with a seed decodes a token a step as before: its draws follow (seed,
+    position), and the drafts a step carries depend on the batch (its budget, the cost
+    policy), so speculating would tie its tokens to the batch. So does a grammar's request
+    (its drafts would have to be checked against the grammar: a later session)."""
+    return not has_grammar and (params.seed is None or params.temperature == 0.0)
+
+
+def max_drafts_before_min_tokens(num_output_tokens: int, min_tokens: int) -> int | None:
+    """Below min_tokens, drafts stop short of it: every row of the step then predicts a
+    position below it, masked as the request's state says (the sampler masks a step's rows
+    by the count before the step). None: no limit."""
+    if num_output_tokens >= min_tokens:
+        return None
+    return min_tokens - num_output_tokens - 1
 
 
 # The acceptance a request starts from, before its own drafts are verified, and the lowest

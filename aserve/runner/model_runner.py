@@ -48,7 +48,7 @@ from aserve.runner.kv_connector_hooks import (
     NoOpKVConnectorHooks,
 )
 from aserve.runner.request_state import CachedRequestState
-from aserve.runner.sampler import Sampler, compute_prompt_logprobs
+from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.runner.spec_verify import verify_drafts
@@ -273,12 +273,17 @@ class ModelRunner:
         accepted: dict[str, int] = {}
         if num_sampling:
             sample_states = [states[i] for i in inputs.sample_req_indices]
-            token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks)
+            drafts = dict(inputs.spec_drafts)  # the sampling row of these follows their drafts
+            token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks,
+                                     [drafts.get(i, []) for i in inputs.sample_req_indices]
+                                     if drafts else None)
             for i, token_id in zip(inputs.sample_req_indices, token_ids):
                 sampled[i] = token_id
             if num_drafts:
-                for (i, drafts), (n, token_id) in zip(inputs.spec_drafts, self._verify(
-                        states, inputs, logits[len(logits) - num_drafts:], sampled)):
+                draft_logits = logits[len(logits) - num_drafts:]
+                verified = self._verify(states, inputs, draft_logits, sampled)
+                self._draft_logprobs(states, inputs, draft_logits, verified, logprobs)
+                for (i, drafts), (n, token_id) in zip(inputs.spec_drafts, verified):
                     accepted[states[i].req_id], sampled[i] = n, token_id
                     for draft in drafts[:n]:
                         states[i].append_output_token_id(draft)
@@ -287,13 +292,53 @@ class ModelRunner:
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
                                  forward_seconds, step.kv_output, accepted)
 
+    @staticmethod
+    def _draft_logprobs(states: list[CachedRequestState], inputs: PreparedInputs,
+                        logits: torch.Tensor, verified: list[tuple[int, int]],
+                        logprobs: dict[str, LogprobsLists]) -> None:
+        """The logprob rows of a speculating request's tokens, for requests that ask: its
+        accepted drafts' rows and, when a draft was rejected, the row of the token drawn in its
+        place, before the row the sampler gave (the token after all drafts), which is kept
+        only when every draft was accepted. Of the raw logits, as the sampler's."""
+        rows, chosen, asked = [], [], []
+        offset = 0
+        for (i, drafts), (n, token_id) in zip(inputs.spec_drafts, verified, strict=True):
+            k = states[i].sampling_params.logprobs
+            if k is not None:
+                rows += range(offset, offset + min(n + 1, len(drafts)))
+                chosen += [*drafts[:n], token_id][:min(n + 1, len(drafts))]
+                asked.append((i, n, len(drafts), k))
+            offset += len(drafts)
+        if not rows:
+            return
+        index = torch.tensor(rows, device=logits.device)
+        tensors = gather_logprobs(logits[index].log_softmax(dim=-1),
+                                  torch.tensor(chosen, device=logits.device),
+                                  max(k for *_, k in asked))
+        lists = tensors.tolists(None, [k for i, n, d, k in asked
+                                       for _ in range(min(n + 1, d))], merge=True)
+        start = 0
+        for i, n, num_drafts, _ in asked:
+            count = min(n + 1, num_drafts)
+            mine = LogprobsLists(lists.token_ids[start:start + count],
+                                 lists.logprobs[start:start + count],
+                                 lists.ranks[start:start + count])
+            start += count
+            req_id = states[i].req_id
+            if n == num_drafts:  # every draft accepted: the sampler's row ends it
+                last = logprobs[req_id]
+                mine = LogprobsLists(mine.token_ids + last.token_ids,
+                                     mine.logprobs + last.logprobs, mine.ranks + last.ranks)
+            logprobs[req_id] = mine
+
     def _verify(self, states: list[CachedRequestState], inputs: PreparedInputs,
                 logits: torch.Tensor, sampled: list[int | None]) -> list[tuple[int, int]]:
         """(drafts accepted, the token after them) per request of `inputs.spec_drafts`, from
         its draft rows of `logits` and the token its sampling row drew (`spec_verify.py`)."""
         rows = [states[i] for i, drafts in inputs.spec_drafts for _ in drafts]
+        pending = [drafts[:j] for _, drafts in inputs.spec_drafts for j in range(len(drafts))]
         metadata = SamplingMetadata.build(rows, self.vocab_size, self.device,
-                                          generator=self.generator)
+                                          generator=self.generator, pending=pending)
         return verify_drafts(logits, [d for _, d in inputs.spec_drafts],
                              [sampled[i] for i, _ in inputs.spec_drafts], metadata,
                              self.sampler.argmax,
@@ -342,10 +387,11 @@ class ModelRunner:
         return logits
 
     def _sample(self, states: list[CachedRequestState], logits: torch.Tensor,
-                logprobs: dict[str, LogprobsLists], masks: TokenMasks) -> list[int]:
+                logprobs: dict[str, LogprobsLists], masks: TokenMasks,
+                pending: list[list[int]] | None = None) -> list[int]:
         logits = self.grammar_masks.apply(logits, masks)  # [num_sampling_rows, vocab]
         metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
-                                          generator=self.generator)
+                                          generator=self.generator, pending=pending)
         out = self.sampler(logits, metadata)
         if out.logprobs is not None:
             rows = [j for j, s in enumerate(states) if s.sampling_params.logprobs is not None]

@@ -68,7 +68,10 @@ class SamplingMetadata:
     @classmethod
     def build(cls, states: list[CachedRequestState], vocab_size: int,
               device: torch.device | str,
-              generator: torch.Generator | None = None) -> SamplingMetadata:
+              generator: torch.Generator | None = None,
+              pending: list[list[int]] | None = None) -> SamplingMetadata:
+        """`pending[i]`: tokens row i counts as output after its state's (a speculating
+        request's drafts before the row's position), for its penalties."""
         device = torch.device(device)
         params = [s.sampling_params for s in states]
         types = [p.sampling_type for p in params]
@@ -91,9 +94,10 @@ class SamplingMetadata:
             frequency_penalties=freq,
             repetition_penalties=rep,
             output_token_ids=None if pres is None and freq is None else _padded(
-                [s.output_token_ids for s in states], vocab_size, device),
+                _with_pending([s.output_token_ids for s in states], pending), vocab_size,
+                device),
             all_token_ids=None if rep is None else _padded(
-                [s.all_token_ids for s in states], vocab_size, device),
+                _with_pending([s.all_token_ids for s in states], pending), vocab_size, device),
             logit_bias=_logit_bias(states, vocab_size, device),
             min_tokens_mask=_min_tokens_mask(states, vocab_size, device),
             seeded_rows=seeded_rows,
@@ -135,6 +139,13 @@ def _logit_bias(states: list[CachedRequestState], vocab_size: int,
         return None
     return (_to_device(rows, torch.int64, device), _to_device(ids, torch.int64, device),
             _to_device(values, torch.float32, device))
+
+
+def _with_pending(token_ids: list[list[int]], pending: list[list[int]] | None
+                  ) -> list[list[int]]:
+    if pending is None:
+        return token_ids
+    return [ids + extra if extra else ids for ids, extra in zip(token_ids, pending, strict=True)]
 
 
 def _min_tokens_mask(states: list[CachedRequestState], vocab_size: int,

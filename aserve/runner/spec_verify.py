@@ -10,7 +10,10 @@ the run, and the token in its place is drawn from the residual distribution:
     random                   accept d_j with probability p_j(d_j); else draw from p_j with
                              d_j removed (renormalized)
 
-p_j is the row's distribution after temperature, min-p, top-k and top-p, as the sampler's.
+p_j is the row's distribution after logit bias, the min_tokens mask, the penalties (with
+d_1..d_j counted as output), temperature, min-p, top-k and top-p, as the sampler's. (The
+scheduler keeps a request's drafts on one side of its min_tokens, so the rows of a step are
+all masked or none, as the request's state says.)
 The random rule is the rejection sampler of speculative sampling (Leviathan et al. 2023;
 Chen et al. 2023) for a draft distribution q that is one-hot at d_j, as an n-gram draft's is:
 accept with min(1, p(d) / q(d)) = p(d), else draw from max(0, p - q) / (1 - p(d)). The first
@@ -24,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from aserve.runner.sampler import filtered_probs, inverse_cdf
+from aserve.runner.sampler import apply_logits_processors, filtered_probs, inverse_cdf
 from aserve.runner.sampling_metadata import SamplingMetadata
 
 
@@ -38,6 +41,7 @@ def verify_drafts(logits: torch.Tensor, drafts: list[list[int]], bonus: list[int
     the token request i's row after its drafts drew. `uniforms(probs, n)`: n float64 draws in
     [0, 1) on probs' device. Returns per request (drafts accepted, the token after them)."""
     device = logits.device
+    logits = apply_logits_processors(logits, metadata)  # bias, min_tokens (no penalties here)
     flat = torch.tensor([d for ds in drafts for d in ds], dtype=torch.int64, device=device)
     rows = torch.arange(len(flat), device=device)
     if metadata.all_greedy:

@@ -10,7 +10,12 @@ from test_scheduler_speculative import repeating
 from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
-from aserve.core.speculation import NgramProposer, can_speculate, worthwhile_drafts
+from aserve.core.speculation import (
+    NgramProposer,
+    can_speculate,
+    max_drafts_before_min_tokens,
+    worthwhile_drafts,
+)
 from aserve.sampling_params import SamplingParams
 
 
@@ -27,21 +32,23 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert strict.propose([1, 2, 9, 2]) == []  # one token matches, two do not
 
 
-def test_only_plainly_sampled_requests_speculate() -> None:
-    assert can_speculate(SamplingParams(temperature=0.0), 0, False)
-    assert can_speculate(SamplingParams(temperature=0.8, top_k=5, top_p=0.9), 0, False)
-    assert can_speculate(SamplingParams(temperature=0.0, seed=3), 0, False)  # greedy: no draws
-    for params, outputs, grammar in [
-        (SamplingParams(temperature=0.0), 0, True),
-        (SamplingParams(logprobs=2), 0, False),
-        (SamplingParams(repetition_penalty=1.2), 0, False),
-        (SamplingParams(presence_penalty=0.5), 0, False),
-        (SamplingParams(logit_bias={3: 1.0}), 0, False),
-        (SamplingParams(temperature=1.0, seed=3), 0, False),
-        (SamplingParams(min_tokens=4), 3, False),
+def test_which_requests_speculate() -> None:
+    for params in [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=3),
+                   SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1),
+                   SamplingParams(logit_bias={3: 1.0}), SamplingParams(min_tokens=9),
+                   SamplingParams(logprobs=2), SamplingParams(repetition_penalty=1.2),
+                   SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3)]:
+        assert can_speculate(params, False), params
+    for params, grammar in [
+        (SamplingParams(temperature=0.0), True),
+        (SamplingParams(temperature=1.0, seed=3), False),
     ]:
-        assert not can_speculate(params, outputs, grammar), params
-    assert can_speculate(SamplingParams(min_tokens=4), 4, False)
+        assert not can_speculate(params, grammar), params
+    # below min_tokens, drafts end before it: outputs 3 of min 8 -> positions 3 (the step's
+    # token), 4..7 drafts at most; at 7 none; from 8 on no limit
+    assert max_drafts_before_min_tokens(3, 8) == 4
+    assert max_drafts_before_min_tokens(7, 8) == 0
+    assert max_drafts_before_min_tokens(8, 8) is None
 
 
 def test_worthwhile_drafts_fall_as_the_batch_grows() -> None:

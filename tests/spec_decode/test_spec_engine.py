@@ -106,3 +106,43 @@ def test_stop_strings_end_where_a_token_a_step_ends_them(llama_dir) -> None:
         assert (got.token_ids, got.text, got.finish_reason) == (
             expected.token_ids, expected.text, expected.finish_reason), stop
     assert spec.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_logprobs_of_accepted_drafts_and_their_replacements(llama_dir, reference) -> None:
+    """Each token's logprob row (its own, its rank, the top 3) is the one a token a step
+    gives: accepted drafts' rows, the row of a token drawn in a rejected draft's place, and
+    the sampler's row after a fully accepted run."""
+    base = LLM(llama_dir, dtype="float32", max_model_len=256)
+    spec = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    params = greedy(logprobs=3)
+    expected, got = (llm.generate(prompts(), params) for llm in (base, spec))
+    for want, have in zip(expected, got, strict=True):
+        a, b = want.outputs[0], have.outputs[0]
+        assert b.token_ids == a.token_ids and len(b.logprobs) == len(a.logprobs)
+        for row_a, row_b in zip(a.logprobs, b.logprobs, strict=True):
+            assert list(row_b) == list(row_a)  # the token first, then the top 3 in order
+            for token_id, entry in row_a.items():
+                assert row_b[token_id].rank == entry.rank
+                assert abs(row_b[token_id].logprob - entry.logprob) < 1e-4
+        assert abs(b.cumulative_logprob - a.cumulative_logprob) < 1e-3
+    stats = spec.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 0.8}, {"frequency_penalty": -0.4, "presence_penalty": -0.3},
+    {"repetition_penalty": 1.1, "frequency_penalty": 0.2},
+], ids=["repetition", "frequency_presence", "discouraging"])
+def test_penalties_count_the_drafts_before_each_row(llama_dir, penalties) -> None:
+    """Penalties that favour repeats (drafts accepted, each row counting the drafts before it)
+    and ones that discourage them (drafts rejected): outputs as a token a step gives."""
+    base = LLM(llama_dir, dtype="float32", max_model_len=256)
+    spec = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    params = greedy(**penalties)
+    expected, got = ([o.outputs[0].token_ids for o in llm.generate(prompts(), params)]
+                     for llm in (base, spec))
+    assert got == expected
+    stats = spec.stats()
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    if penalties.get("repetition_penalty", 1.0) < 1.0 or penalties.get("presence_penalty", 0) < 0:
+        assert stats.spec_decode_num_accepted_tokens > 0

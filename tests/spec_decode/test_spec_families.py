@@ -41,7 +41,9 @@ def test_greedy_with_drafts_matches_hf(model_dir_factory, case) -> None:
     model_dir = model_dir_factory(arch, **overrides)
     prompts = repeating_prompts()
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
+    # HF's min_new_tokens masks EOS throughout; so does min_tokens here (drafts then stop
+    # short of it, and the min_tokens mask applies to every draft row)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
     with LLM(model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
              long_prefill_token_threshold=16, block_size=8,
              speculative_config=NGRAM) as llm:
