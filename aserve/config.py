@@ -317,10 +317,10 @@ class MoEConfig:
     interleaved_gate_up: bool = False  # gpt-oss' fused checkpoint: [E, H, 2I], gate/up alternating
 
 
-SPECULATIVE_METHODS = ("ngram",)  # what aserve runs; vLLM's others are refused by name
-LATER_SPECULATIVE_METHODS = ("suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
+SPECULATIVE_METHODS = ("ngram", "suffix")  # what aserve runs; vLLM's others: refused by name
+LATER_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa",
                              "mlp_speculator")
-MAX_SPECULATIVE_TOKENS = 16  # drafts a step: each costs a row of logits and a KV slot
+MAX_SPECULATIVE_TOKENS = 32  # drafts a step: each costs a row of logits and a KV slot
 
 
 class SpeculativeConfigError(ValueError):
@@ -338,6 +338,15 @@ class SpeculativeConfig:
     # occurred earlier in the sequence proposes the tokens that followed it
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 2
+    # suffix decoding: the longest suffix of the recent tokens (up to max_tree_depth) found in
+    # the request's own tokens and in recent requests' outputs (max_cached_requests of them)
+    # proposes its most frequent continuation while that path's probability stays at or above
+    # min_token_prob, up to max_spec_factor x the match's length; num_speculative_tokens
+    # defaults to max_tree_depth (at most MAX_SPECULATIVE_TOKENS)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
@@ -379,9 +388,15 @@ class SpeculativeConfig:
                 f"speculative_config has keys aserve does not know or run: {unknown}; known: "
                 f"method, {', '.join(sorted(known - {'method'}))}.")
         for key, item in value.items():
-            if not isinstance(item, int) or isinstance(item, bool):
-                raise SpeculativeConfigError(
-                    f"speculative_config.{key} must be an integer, got {item!r}.")
+            real = key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+            if not isinstance(item, (int, float) if real else int) or isinstance(item, bool):
+                raise SpeculativeConfigError(f"speculative_config.{key} must be "
+                                             f"{'a number' if real else 'an integer'}, got "
+                                             f"{item!r}.")
+        if method == "suffix" and "num_speculative_tokens" not in value:
+            value["num_speculative_tokens"] = min(
+                value.get("suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth),
+                MAX_SPECULATIVE_TOKENS)
         if "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
             value["prompt_lookup_min"] = min(cls.prompt_lookup_min, value["prompt_lookup_max"])
         if "prompt_lookup_min" in value and "prompt_lookup_max" not in value:
@@ -401,3 +416,10 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, "
                 f"got {self.prompt_lookup_min} and {self.prompt_lookup_max}.")
+        for key, low, high in (("suffix_decoding_max_tree_depth", 1, 256),
+                               ("suffix_decoding_max_cached_requests", 0, 100_000),
+                               ("suffix_decoding_max_spec_factor", 0.0, 64.0),
+                               ("suffix_decoding_min_token_prob", 0.0, 1.0)):
+            if not low <= getattr(self, key) <= high:
+                raise SpeculativeConfigError(f"speculative_config.{key} must be within {low} .. "
+                                             f"{high}, got {getattr(self, key)}.")

@@ -43,8 +43,8 @@ from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.speculation import (
-    NgramProposer,
     can_speculate,
+    make_proposer,
     max_drafts_before_min_tokens,
     worthwhile_drafts,
 )
@@ -74,7 +74,7 @@ class Scheduler:
         self.remote_kv = make_remote_kv(kv_connector, self.kv_cache_manager)
         self._last_output: SchedulerOutput | None = None
         speculative = scheduler_config.speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = make_proposer(speculative) if speculative is not None else None
         self.spec_num_drafts = self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens
                                             if speculative is not None else 0)
@@ -112,6 +112,8 @@ class Scheduler:
         held, params = self.remote_kv.request_finished(request, loading)
         if not held:
             self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.finish(request.request_id, request.output_token_ids)
         self.finished_req_ids.add(request.request_id)
         self.num_prompt_logprobs_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
@@ -386,7 +388,8 @@ class Scheduler:
         if below_min is not None:
             room = min(room, below_min)
         if room > 0:
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+            request.spec_token_ids = self.proposer.propose(request.request_id,
+                                                           request.all_token_ids, room)
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
                                      start: int) -> LogprobsLists | None:

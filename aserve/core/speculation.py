@@ -33,9 +33,10 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
         self.window = window
 
-    def propose(self, token_ids: list[int], max_drafts: int | None = None) -> list[int]:
-        """Up to min(k, max_drafts) drafts to follow `token_ids`; [] when no suffix of
-        min_n .. max_n tokens occurred before."""
+    def propose(self, req_id: str, token_ids: list[int], max_drafts: int | None = None
+                ) -> list[int]:
+        """Up to min(k, max_drafts) drafts to follow `token_ids` (request `req_id`'s); [] when
+        no suffix of min_n .. max_n tokens occurred before."""
         k = self.k if max_drafts is None else min(self.k, max_drafts)
         if k <= 0 or len(token_ids) <= self.min_n:
             return []
@@ -49,6 +50,117 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return tokens[start:start + k].tolist()
         return []
+
+    def finish(self, req_id: str, output_token_ids: list[int]) -> None:
+        """Nothing to forget: the lookup keeps no state between steps."""
+
+
+
+class SuffixProposer:
+    """Suffix decoding (Oliaro et al. 2024, as vLLM's `method: suffix` runs it): drafts from
+    the longest suffix of a request's tokens that occurred before, in its own prompt and output
+    or in the outputs of recent requests, continued by the most frequent next token among all
+    of that suffix's occurrences, for as long as the path's estimated probability stays at or
+    above `min_token_prob`, and for at most `max_spec_factor` x the match's length tokens.
+
+    Two indexes of the same kind: the positions every pair of consecutive tokens ends at
+    (a request's own, built as its tokens come; and the cache's, over the outputs of the last
+    `max_cached_requests` finished requests). A query takes the positions of its last two
+    tokens, extends each match backwards up to `max_tree_depth` tokens, keeps the longest, and
+    walks their continuations forward: no tree is built, and a step costs O(occurrences x
+    depth) over at most `MAX_OCCURRENCES` recent occurrences per index."""
+
+    MAX_OCCURRENCES = 256  # most recent occurrences of a token pair a query looks at
+    MAX_CACHED_TOKENS = 1 << 20  # output tokens the cache holds at most, over its requests
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self._own: dict[str, tuple[int, dict[tuple[int, int], list[int]]]] = {}  # indexed
+        self._cache: dict[int, list[int]] = {}  # cache id -> output tokens, oldest first
+        self._cache_index: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._cache_tokens = 0
+        self._next_id = 0
+
+    def propose(self, req_id: str, token_ids: list[int], max_drafts: int | None = None
+                ) -> list[int]:
+        """Up to min(k, max_drafts) drafts to follow `token_ids`, request `req_id`'s."""
+        k = self.k if max_drafts is None else min(self.k, max_drafts)
+        if k <= 0 or len(token_ids) < 2:
+            return []
+        tokens, index = self._own_index(req_id, token_ids)
+        key = (token_ids[-2], token_ids[-1])
+        # (sequence, end): sequence[end - 2:end] == key, end < len(sequence) (a continuation)
+        found = [(tokens, end) for end in index.get(key, ())[-self.MAX_OCCURRENCES:]
+                 if end < len(token_ids)]
+        found += [(self._cache[c], end) for c, end in
+                  self._cache_index.get(key, ())[-self.MAX_OCCURRENCES:] if c in self._cache]
+        if not found:
+            return []
+        lengths = [self._match_length(seq, end, token_ids) for seq, end in found]
+        longest = max(lengths)
+        matches = [m for m, n in zip(found, lengths, strict=True) if n == longest]
+        limit = min(k, max(1, int(self.spec_factor * longest)))
+        drafts: list[int] = []
+        prob = 1.0
+        while len(drafts) < limit:
+            step = len(drafts)
+            following: dict[int, int] = {}
+            for seq, end in matches:
+                if end + step < len(seq):
+                    token = seq[end + step]
+                    following[token] = following.get(token, 0) + 1
+            if not following:
+                break
+            token, count = max(following.items(), key=lambda item: item[1])
+            prob *= count / sum(following.values())
+            if prob < self.min_prob:
+                break
+            drafts.append(token)
+            matches = [(seq, end) for seq, end in matches
+                       if end + step < len(seq) and seq[end + step] == token]
+        return drafts
+
+    def _match_length(self, seq: list[int], end: int, token_ids: list[int]) -> int:
+        """How many tokens before `end` in `seq` equal the last ones of `token_ids` (2 at
+        least: the pair indexed), up to the depth."""
+        n, limit = 2, min(self.depth, end, len(token_ids))
+        while n < limit and seq[end - 1 - n] == token_ids[-1 - n]:
+            n += 1
+        return n
+
+    def _own_index(self, req_id: str, token_ids: list[int]
+                   ) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+        """The request's pair index, brought up to its tokens (which only grow: a preempted
+        request keeps them), and the tokens themselves."""
+        indexed, index = self._own.get(req_id, (0, {}))
+        for end in range(max(2, indexed + 1), len(token_ids) + 1):
+            index.setdefault((token_ids[end - 2], token_ids[end - 1]), []).append(end)
+        self._own[req_id] = (len(token_ids), index)
+        return token_ids, index
+
+    def finish(self, req_id: str, output_token_ids: list[int]) -> None:
+        """The request ends: forget its index; its output joins the cache (the oldest
+        leave it past max_cached_requests or MAX_CACHED_TOKENS)."""
+        self._own.pop(req_id, None)
+        if self.max_cached <= 0 or len(output_token_ids) < 3:
+            return
+        output = list(output_token_ids[-self.MAX_CACHED_TOKENS:])
+        cache_id, self._next_id = self._next_id, self._next_id + 1
+        self._cache[cache_id] = output
+        self._cache_tokens += len(output)
+        for end in range(2, len(output)):
+            self._cache_index.setdefault((output[end - 2], output[end - 1]), []).append(
+                (cache_id, end))
+        while len(self._cache) > self.max_cached or self._cache_tokens > self.MAX_CACHED_TOKENS:
+            oldest = next(iter(self._cache))
+            self._cache_tokens -= len(self._cache.pop(oldest))
+        if sum(map(len, self._cache_index.values())) > 2 * (self._cache_tokens + 1024):
+            self._cache_index = {key: kept for key, ends in self._cache_index.items()
+                                 if (kept := [(c, e) for c, e in ends if c in self._cache])}
 
 
 def can_speculate(params: SamplingParams, has_grammar: bool) -> bool:
@@ -94,3 +206,7 @@ def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None
     alpha = min(max(acceptance, MIN_ACCEPTANCE), 0.999)
     ratio = num_decoding / (fixed_cost_tokens + num_decoding)  # < 1
     return max(0, min(k, math.ceil(math.log(ratio) / math.log(alpha)) - 1))
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+    return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)

@@ -29,8 +29,15 @@ def repeating(req_id: str, position: int) -> int:
 @st.composite
 def speculative_scenarios(draw: st.DrawFn) -> Scenario:
     scenario = draw(scenarios())
-    spec = SpeculativeConfig(num_speculative_tokens=draw(st.integers(1, 4)),
-                             prompt_lookup_min=1, prompt_lookup_max=draw(st.integers(1, 3)))
+    if draw(st.booleans()):
+        spec = SpeculativeConfig(num_speculative_tokens=draw(st.integers(1, 4)),
+                                 prompt_lookup_min=1, prompt_lookup_max=draw(st.integers(1, 3)))
+    else:
+        spec = SpeculativeConfig(method="suffix", num_speculative_tokens=draw(st.integers(1, 6)),
+                                 suffix_decoding_max_tree_depth=draw(st.integers(2, 8)),
+                                 suffix_decoding_max_spec_factor=draw(st.sampled_from([0.5, 1.0,
+                                                                                       3.0])),
+                                 suffix_decoding_min_token_prob=draw(st.sampled_from([0.0, 0.3])))
     config = dataclasses.replace(scenario.scheduler_config, async_scheduling=False,
                                  speculative=spec)
     return dataclasses.replace(scenario, scheduler_config=config, token_fn=repeating)

@@ -12,6 +12,7 @@ from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
 from aserve.core.speculation import (
     NgramProposer,
+    SuffixProposer,
     can_speculate,
     max_drafts_before_min_tokens,
     worthwhile_drafts,
@@ -22,14 +23,50 @@ from aserve.sampling_params import SamplingParams
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
                                                prompt_lookup_max=3))
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]
-    assert proposer.propose([1, 2, 3, 4, 5, 9, 1, 2, 3], max_drafts=1) == [4]
+    assert proposer.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]
+    assert proposer.propose("r", [1, 2, 3, 4, 5, 9, 1, 2, 3], max_drafts=1) == [4]
     # the longest suffix wins over a later shorter match: "2 3" occurs last before "7 2 3"
-    assert proposer.propose([7, 2, 3, 8, 8, 2, 3, 5, 7, 2, 3]) == [8, 8, 2]
-    assert proposer.propose([4, 5, 6]) == []  # nothing repeats
-    assert proposer.propose([6, 1, 6, 2, 6, 3, 6]) == [3, 6]  # the latest match, to the end
+    assert proposer.propose("r", [7, 2, 3, 8, 8, 2, 3, 5, 7, 2, 3]) == [8, 8, 2]
+    assert proposer.propose("r", [4, 5, 6]) == []  # nothing repeats
+    assert proposer.propose("r", [6, 1, 6, 2, 6, 3, 6]) == [3, 6]  # the latest match, to the end
     strict = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=2))
-    assert strict.propose([1, 2, 9, 2]) == []  # one token matches, two do not
+    assert strict.propose("r", [1, 2, 9, 2]) == []  # one token matches, two do not
+
+
+def suffix(**keys) -> SuffixProposer:
+    return SuffixProposer(SpeculativeConfig.from_value({"method": "suffix", **keys}))
+
+
+def test_suffix_drafts_follow_the_longest_match_as_far_as_it_is_long() -> None:
+    proposer = suffix()
+    assert proposer.k == 24  # num_speculative_tokens: max_tree_depth by default
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert proposer.propose("a", tokens) == [4, 5, 6]  # a match of 3: 3 drafts (factor 1)
+    tokens += [4, 5, 6, 7]  # the request's own list grows; the index follows it
+    assert proposer.propose("a", tokens) == [8, 9, 1, 2, 3, 4, 5]  # a match of 7
+    assert proposer.propose("a", tokens, max_drafts=2) == [8, 9]
+    assert suffix(suffix_decoding_max_spec_factor=0.5).propose("b", tokens) == [8, 9, 1]
+    assert proposer.propose("c", [4, 5, 6]) == []  # its own tokens only (nothing cached yet)
+
+
+def test_suffix_drafts_take_the_most_frequent_continuation_while_likely() -> None:
+    # "5 7" (each time after another token than 9's) was followed by 1 twice and by 2 once:
+    # 1 (2/3); then "5 7 1" by 3 both times; a match of 2 allows 2 drafts
+    tokens = [5, 7, 1, 3, 0, 5, 7, 1, 3, 0, 5, 7, 2, 4, 9, 5, 7]
+    assert suffix().propose("a", tokens) == [1, 3]
+    # a path of probability 2/3 is below 0.7: nothing
+    assert suffix(suffix_decoding_min_token_prob=0.7).propose("a", tokens) == []
+
+
+def test_suffix_drafts_come_from_recent_requests_outputs() -> None:
+    proposer = suffix(suffix_decoding_max_cached_requests=2)
+    proposer.finish("old", [10, 11, 12, 13, 14, 15])
+    assert proposer.propose("new", [99, 10, 11, 12]) == [13, 14, 15]
+    proposer.finish("x", [20, 21, 22, 23])
+    proposer.finish("y", [30, 31, 32, 33])  # the oldest leaves the cache (2 at most)
+    assert proposer.propose("new2", [99, 10, 11, 12]) == []
+    assert proposer.propose("new3", [7, 30, 31]) == [32, 33]
+    assert suffix(suffix_decoding_max_cached_requests=0).propose("z", [10, 11]) == []
 
 
 def test_which_requests_speculate() -> None:

@@ -13,6 +13,8 @@ from aserve.config import SpeculativeConfigError
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
          "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
 
 
 def prompts(count: int = 6) -> list[dict]:
@@ -41,26 +43,34 @@ def reference(llama_dir) -> list[list[int]]:
     {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},
     {"num_kv_blocks": 14, "block_size": 8, "max_model_len": 80},
 ], ids=["default", "16_token_chunks", "forced_preemption"])
-def test_greedy_is_the_same_with_ngram_drafts(llama_dir, reference, settings) -> None:
-    llm = LLM(llama_dir, dtype="float32", speculative_config=NGRAM,
+@pytest.mark.parametrize("method", list(METHODS))
+def test_greedy_is_the_same_with_drafts(llama_dir, reference, settings, method) -> None:
+    llm = LLM(llama_dir, dtype="float32", speculative_config=METHODS[method],
               **{"max_model_len": 256, **settings})
-    for _ in range(2):  # the second round hits the prefix cache
+    rounds = []
+    for _ in range(2):  # the second round hits the prefix cache (and suffix's own cache)
         outs = llm.generate(prompts(), greedy())
         assert [o.outputs[0].token_ids for o in outs] == reference
-    stats = llm.stats()
-    assert stats.spec_decode_num_drafts > 0
-    # drafts were accepted (tokens gained) and rejected (steps rolled back) both
-    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+        rounds.append(llm.stats())
+    stats = rounds[-1]
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == (
         stats.spec_decode_num_accepted_tokens)
+    if method == "ngram":  # drafts were rejected too (steps rolled back)
+        assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    else:  # the second round's replies are the first's: drafted from the cache, whole
+        first, second = (r.spec_decode_num_accepted_tokens for r in rounds)
+        assert second - first >= first
     if "num_kv_blocks" in settings:
         assert stats.num_preemptions > 0
     else:
         assert stats.prefix_cache_hits > 0
 
 
-def test_stops_and_max_tokens_inside_accepted_drafts(llama_dir, reference) -> None:
-    llm = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_stops_and_max_tokens_inside_accepted_drafts(llama_dir, reference, method) -> None:
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256,
+              speculative_config=METHODS[method])
     for want, tokens in zip(prompts(), reference):
         stop = tokens[25]
         first = tokens.index(stop)
@@ -83,6 +93,8 @@ def test_random_sampling_with_drafts_keeps_its_lengths(llama_dir) -> None:
 @pytest.mark.parametrize("config", [
     {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 0},
     {"num_speculative_tokens": 99}, {"bogus": 1}, "{not json",
+    {"method": "suffix", "suffix_decoding_min_token_prob": 1.5},
+    {"method": "suffix", "suffix_decoding_max_tree_depth": "8"},
 ])
 def test_bad_speculative_configs_are_refused(llama_dir, config) -> None:
     with pytest.raises(SpeculativeConfigError):
