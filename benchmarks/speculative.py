@@ -1,8 +1,9 @@
 """Speculative decoding (issue 43) on a real model: output tokens/s of copy-heavy chat requests
-at concurrency 1, without drafts and with n-gram drafts, side by side. Prints one JSON line.
+at concurrency 1, without drafts, with n-gram drafts (k of them a step) and with suffix
+decoding, side by side. Prints one JSON line.
 
     python benchmarks/speculative.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [-o 256]
-        [--rounds 3] [--k 3 5]
+        [--rounds 3] [--k 3 5] [--batch 32]
 
 The prompts quote what the reply is to repeat, as edits and conversions do: a paragraph to
 correct, a list to turn into JSON, code to change in one line. Each configuration runs in a
@@ -49,6 +50,7 @@ def variance(values):
         total += (value - m) ** 2
     return total / len(values)
 '''
+CONFIGS = {"none": None, "suffix": {"method": "suffix"}}
 MESSAGES = [
     f"Repeat this paragraph exactly, but change 'Lyon' to 'Lugdunum':\n\n{PARAGRAPH}",
     "Turn this shopping list into a JSON object mapping each item to its quantity:\n\n"
@@ -64,8 +66,9 @@ def child(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
     from aserve.quantization.gguf_file import gguf_model_dir
 
-    spec = None if args.child == 0 else {"method": "ngram", "num_speculative_tokens": args.child,
-                                        "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+    spec = CONFIGS[args.child] if args.child in CONFIGS else {
+        "method": "ngram", "num_speculative_tokens": int(args.child.removeprefix("ngram_k")),
+        "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(args.model))
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
                                            add_generation_prompt=True, tokenize=False)
@@ -106,38 +109,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens")
     p.add_argument("--batch", type=int, default=32, help="requests at once, after the c=1 runs")
-    p.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
         child(args)
         return 0
     if not args.model.exists():
         raise SystemExit(f"{args.model} is missing (see the docstring for where it comes from)")
-    runs: dict[int, list[dict]] = {k: [] for k in [0, *args.k]}
+    runs: dict[str, list[dict]] = {name: [] for name in
+                                   ["none", *(f"ngram_k{k}" for k in args.k), "suffix"]}
     for _ in range(args.rounds):
         for k in runs:
             out = subprocess.run([sys.executable, __file__, "--model", str(args.model), "-o",
                                   str(args.output_len), "--batch", str(args.batch),
-                                  "--child", str(k)],
+                                  "--child", k],
                                  capture_output=True, text=True, check=True)
             runs[k].append(json.loads(out.stdout.strip().splitlines()[-1]))
     best = {k: max(r, key=lambda x: x["tok_s"]) for k, r in runs.items()}
     batch = {k: max(x["batch_tok_s"] for x in r) for k, r in runs.items()}
+    none = best.pop("none")
     result = {"benchmark": "speculative", "model": args.model.name,
               "output_len": args.output_len, "rounds": args.rounds, "prompts": len(MESSAGES),
-              "no_drafts_tok_s": round(best[0]["tok_s"], 1),
-              f"c{args.batch}_no_drafts_tok_s": round(batch[0], 1)}
-    for k in args.k:
-        b = best[k]
-        result[f"ngram_k{k}"] = {
+              "no_drafts_tok_s": round(none["tok_s"], 1),
+              f"c{args.batch}_no_drafts_tok_s": round(batch["none"], 1)}
+    for name, b in best.items():
+        result[name] = {
             "tok_s": round(b["tok_s"], 1),
-            "over_no_drafts": round(b["tok_s"] / best[0]["tok_s"], 3),
+            "over_no_drafts": round(b["tok_s"] / none["tok_s"], 3),
             "acceptance": round(b["accepted"] / max(1, b["draft_tokens"]), 3),
             "tokens_per_verify_step": round(1 + b["accepted"] / max(1, b["verify_steps"]), 2),
-            "same_replies": sum(a == c for a, c in zip(b["replies"], best[0]["replies"])),
-            f"c{args.batch}_tok_s": round(batch[k], 1),
-            f"c{args.batch}_over_no_drafts": round(batch[k] / batch[0], 3),
-            f"c{args.batch}_draft_tokens": min(x["batch_draft_tokens"] for x in runs[k])}
+            "same_replies": sum(a == c for a, c in zip(b["replies"], none["replies"])),
+            f"c{args.batch}_tok_s": round(batch[name], 1),
+            f"c{args.batch}_over_no_drafts": round(batch[name] / batch["none"], 3),
+            f"c{args.batch}_draft_tokens": min(x["batch_draft_tokens"] for x in runs[name])}
     print(json.dumps(result), flush=True)
     return 0
 

@@ -10,20 +10,19 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from helpers.fake_runner import fake_token
+from helpers.scheduler_scenarios import (
+    VOCAB,
+    Scenario,
+    Spec,
+    check_scenario,
+    repeating,
+    scenarios,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_scheduler_property import VOCAB, Scenario, Spec, check_scenario, scenarios
 
 from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from aserve.core.scheduler import Scheduler
-
-
-def repeating(req_id: str, position: int) -> int:
-    """A model whose output cycles with a period of 2-5 tokens, one token in five off it."""
-    if fake_token(req_id, position + 10_000, 5) == 0:
-        return fake_token(req_id, position, VOCAB)
-    return fake_token(req_id, position % (2 + fake_token(req_id, -1, 4)), VOCAB)
 
 
 @st.composite

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from helpers.fake_runner import FakeRunner
-from test_scheduler_speculative import repeating
+from helpers.scheduler_scenarios import repeating
 
 from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from aserve.core.request import Request
