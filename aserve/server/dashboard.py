@@ -52,6 +52,10 @@ class DashboardStats(BaseModel):
     prefix_cache_hits: int  # of those, found in the cache
     prefix_cache_hit_rate: float | None  # hits / queries; None before any lookup
     preemptions_total: int
+    # Speculative decoding since start: accepted / drafted tokens, and the tokens a verifying
+    # step gave on average (its accepted drafts and the one after); None without drafts
+    spec_acceptance_rate: float | None = None
+    spec_mean_accepted_length: float | None = None
     prompt_tokens_total: int
     generation_tokens_total: int
     requests_finished_total: int
@@ -101,6 +105,12 @@ def collect_stats(state) -> DashboardStats:
         prefix_cache_hits=hits,
         prefix_cache_hit_rate=hits / queries if queries else None,
         preemptions_total=stats.num_preemptions,
+        spec_acceptance_rate=(stats.spec_decode_num_accepted_tokens
+                              / stats.spec_decode_num_draft_tokens
+                              if stats.spec_decode_num_draft_tokens else None),
+        spec_mean_accepted_length=(1 + stats.spec_decode_num_accepted_tokens
+                                   / stats.spec_decode_num_drafts
+                                   if stats.spec_decode_num_drafts else None),
         prompt_tokens_total=int(totals.get("aserve:prompt_tokens_total", 0)),
         generation_tokens_total=int(totals.get("aserve:generation_tokens_total", 0)),
         requests_finished_total=int(totals.get("aserve:request_success_total", 0)),

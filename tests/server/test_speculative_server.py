@@ -1,5 +1,6 @@
 """A server with n-gram drafts: streamed greedy completions equal the non-speculative ones,
-and /metrics counts drafts under vLLM's names (per position too)."""
+/metrics counts drafts under vLLM's names (per position too), and the dashboard shows the
+acceptance rate and the tokens a verifying step gives."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_served_drafts_change_no_token_and_are_counted(model_dir_factory) -> Non
     with serving(tiny_app(model_dir, speculative_config=NGRAM)) as url:
         assert completions(url) == expected
         text = httpx.get(f"{url}/metrics").text
+        dashboard = httpx.get(f"{url}/dashboard/stats").json()
     counters = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("aserve:spec_decode") and "position" not in line}
     assert counters["aserve:spec_decode_num_drafts_total"] > 0
@@ -35,3 +37,5 @@ def test_served_drafts_change_no_token_and_are_counted(model_dir_factory) -> Non
     assert 0 < accepted <= counters["aserve:spec_decode_num_draft_tokens_total"]
     per_pos = 'aserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position='
     assert f'{per_pos}"0"}}' in text
+    assert 0 < dashboard["spec_acceptance_rate"] <= 1  # the dashboard's figures
+    assert 1 < dashboard["spec_mean_accepted_length"]
