@@ -376,8 +376,7 @@ class Scheduler:
         request's acceptance so far), and as its max_tokens and the model's length leave
         room for after the token the step samples anyway."""
         params = request.sampling_params
-        if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(
-                params, request.grammar is not None):
+        if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(params):
             return
         room = min(request.max_tokens - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens,

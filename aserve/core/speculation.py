@@ -163,16 +163,16 @@ class SuffixProposer:
                                  if (kept := [(c, e) for c, e in ends if c in self._cache])}
 
 
-def can_speculate(params: SamplingParams, has_grammar: bool) -> bool:
+def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's steps may carry drafts: its every token is then drawn from the
     target's distribution after logit bias, the min_tokens mask, temperature, top-k, top-p and
     min-p and the penalties (each row counting the drafts before it as output), which
     `verify_drafts` reproduces exactly; logprobs, of the raw logits, come from the same rows.
-    Random sampling with a seed decodes a token a step as before: its draws follow (seed,
-    position), and the drafts a step carries depend on the batch (its budget, the cost
-    policy), so speculating would tie its tokens to the batch. So does a grammar's request
-    (its drafts would have to be checked against the grammar: a later session)."""
-    return not has_grammar and (params.seed is None or params.temperature == 0.0)
+    A grammar's rows are masked by the grammar after the drafts before them (a draft it
+    refuses has probability 0: rejected). Random sampling with a seed decodes a token a step
+    as before: its draws follow (seed, position), and the drafts a step carries depend on the
+    batch (its budget, the cost policy), so speculating would tie its tokens to the batch."""
+    return params.seed is None or params.temperature == 0.0
 
 
 def max_drafts_before_min_tokens(num_output_tokens: int, min_tokens: int) -> int | None:

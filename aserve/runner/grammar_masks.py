@@ -34,7 +34,12 @@ import torch
 
 from aserve.runner.request_state import CachedRequestState
 from aserve.sampling_params import SamplingParams, SamplingType
-from aserve.structured_output import apply_token_bitmask, fill_token_bitmask, masked_argmax
+from aserve.structured_output import (
+    GrammarMatcher,
+    apply_token_bitmask,
+    fill_token_bitmask,
+    masked_argmax,
+)
 
 
 def is_checked_after(params: SamplingParams) -> bool:
@@ -70,22 +75,51 @@ class GrammarMasks:
         self.check_greedy_tokens = check_greedy_tokens
         self._filler: ThreadPoolExecutor | None = None  # started by the first row masked ahead
 
-    def start(self, states: list[CachedRequestState]) -> TokenMasks:
+    def start(self, states: list[CachedRequestState],
+              drafts: list[list[int]] | None = None) -> TokenMasks:
         """The constrained rows among a step's sampling rows `states`, and the bitmask of those
         masked ahead, started on a thread of its own that runs beside the forward (llguidance
-        releases the GIL; the fill depends only on tokens already accepted, not on logits)."""
+        releases the GIL; the fill depends only on tokens already accepted, not on logits).
+        `drafts[k]`: the speculative drafts row k comes after (its mask is the grammar's after
+        them; such a row is always masked ahead)."""
         constrained = [k for k, state in enumerate(states) if state.grammar is not None]
         if not constrained:
             return NO_MASKS
-        checked = [k for k in constrained if self.check_greedy_tokens
+        after = [drafts[k] if drafts else [] for k in range(len(states))]
+        checked = [k for k in constrained if self.check_greedy_tokens and not after[k]
                    and is_checked_after(states[k].sampling_params)]
         ahead = sorted(set(constrained) - set(checked))
         bitmask = None
         if ahead:
             if self._filler is None:
                 self._filler = ThreadPoolExecutor(1, thread_name_prefix="aserve-grammar")
-            bitmask = self._filler.submit(self._fill, [states[k] for k in ahead])
+            bitmask = self._filler.submit(self._fill, [states[k] for k in ahead],
+                                          [after[k] for k in ahead])
         return TokenMasks(ahead, bitmask, checked)
+
+    def draft_bitmask(self, states: list[CachedRequestState],
+                      spec_drafts: list[tuple[int, list[int]]]) -> tuple[list[int], torch.Tensor]:
+        """The masks of the draft rows of constrained speculating requests (row j of request
+        i: its grammar after drafts[:j]), as (their indices among all draft rows, bitmask).
+        Past a draft the grammar refuses, rows are left open: verification rejects that
+        draft (its probability is 0 under the mask), so they are never reached."""
+        rows, matchers, held, row = [], [], [], 0
+        for i, drafts in spec_drafts:
+            state = states[i]
+            if state.grammar is not None:
+                stops = ([t for t in state.stop_token_ids if 0 <= t < self.vocab_size]
+                         if state.is_below_min_tokens else [])
+                fork = state.grammar.fork()
+                for j, token_id in enumerate(drafts):
+                    rows.append(row + j)
+                    matchers.append(fork.fork())
+                    held.append(stops)
+                    if j + 1 < len(drafts) and not _advance(fork, token_id):
+                        break
+            row += len(drafts)
+        if not rows:
+            return [], torch.empty(0)
+        return rows, fill_token_bitmask(matchers, self.vocab_size, held)
 
     def apply(self, logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
         """`logits` [num_sampling_rows, vocab] with the ahead rows' disallowed tokens at -inf
@@ -110,12 +144,26 @@ class GrammarMasks:
         for k, token_id in zip(refused, masked_argmax(logits, index, bitmask).tolist()):
             token_ids[k] = token_id
 
-    def _fill(self, states: list[CachedRequestState]) -> torch.Tensor:
-        """The bitmask of these constrained rows; a row short of its min_tokens holds back its
-        stop tokens in it."""
+    def _fill(self, states: list[CachedRequestState],
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The bitmask of these constrained rows (each after its `drafts`, if any); a row short
+        of its min_tokens holds back its stop tokens in it."""
         held = [[t for t in s.stop_token_ids if 0 <= t < self.vocab_size]
                 if s.is_below_min_tokens else [] for s in states]
-        return fill_token_bitmask([s.grammar for s in states], self.vocab_size, held)
+        matchers = [s.grammar for s in states]
+        for k, after in enumerate(drafts or []):
+            if after:
+                fork = matchers[k].fork()
+                for token_id in after:  # (one refused: the row's token is never kept)
+                    if not _advance(fork, token_id):
+                        break
+                matchers[k] = fork
+        return fill_token_bitmask(matchers, self.vocab_size, held)
+
+
+def _advance(matcher: GrammarMatcher, token_id: int) -> bool:
+    """Advance a fork by a draft the grammar allows; False (unmoved) for one it refuses."""
+    return matcher.allows(token_id) and matcher.accept_token(token_id)
 
 
 def _accepts(state: CachedRequestState, token_id: int) -> bool:

@@ -52,6 +52,7 @@ from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logpr
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.runner.spec_verify import verify_drafts
+from aserve.structured_output import apply_token_bitmask
 
 T = TypeVar("T")
 
@@ -238,7 +239,10 @@ class ModelRunner:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs, so.kv_connector_metadata)
-        masks = self.grammar_masks.start([states[i] for i in inputs.sample_req_indices])
+        drafts = dict(inputs.spec_drafts)
+        masks = self.grammar_masks.start([states[i] for i in inputs.sample_req_indices],
+                                         [drafts.get(i, []) for i in inputs.sample_req_indices]
+                                         if drafts else None)
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
@@ -281,6 +285,10 @@ class ModelRunner:
                 sampled[i] = token_id
             if num_drafts:
                 draft_logits = logits[len(logits) - num_drafts:]
+                rows, bitmask = self.grammar_masks.draft_bitmask(states, inputs.spec_drafts)
+                if rows:  # constrained requests' drafts, checked against their grammars
+                    draft_logits = apply_token_bitmask(
+                        draft_logits, bitmask, torch.tensor(rows).to(draft_logits.device))
                 verified = self._verify(states, inputs, draft_logits, sampled)
                 self._draft_logprobs(states, inputs, draft_logits, verified, logprobs)
                 for (i, drafts), (n, token_id) in zip(inputs.spec_drafts, verified):

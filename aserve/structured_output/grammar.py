@@ -95,6 +95,14 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         return self._llmatcher().is_stopped()
 
+    def fork(self) -> GrammarMatcher:
+        """A copy at the same place, to advance along speculative drafts without moving
+        this one (llguidance's `deep_copy`)."""
+        copy = GrammarMatcher(self._compiled)
+        copy._matcher = self._llmatcher().deep_copy()
+        copy._waiting, copy._tail = self._waiting, list(self._tail)
+        return copy
+
 
 def fill_token_bitmask(matchers: list[GrammarMatcher], vocab_size: int,
                        held_stops: list[list[int]]) -> torch.Tensor:

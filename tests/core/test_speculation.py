@@ -75,12 +75,8 @@ def test_which_requests_speculate() -> None:
                    SamplingParams(logit_bias={3: 1.0}), SamplingParams(min_tokens=9),
                    SamplingParams(logprobs=2), SamplingParams(repetition_penalty=1.2),
                    SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3)]:
-        assert can_speculate(params, False), params
-    for params, grammar in [
-        (SamplingParams(temperature=0.0), True),
-        (SamplingParams(temperature=1.0, seed=3), False),
-    ]:
-        assert not can_speculate(params, grammar), params
+        assert can_speculate(params), params
+    assert not can_speculate(SamplingParams(temperature=1.0, seed=3))
     # below min_tokens, drafts end before it: outputs 3 of min 8 -> positions 3 (the step's
     # token), 4..7 drafts at most; at 7 none; from 8 on no limit
     assert max_drafts_before_min_tokens(3, 8) == 4

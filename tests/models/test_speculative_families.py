@@ -5,6 +5,7 @@ beside speculating ones unchanged; TP=2 and PP=2 (slow)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -54,21 +55,37 @@ def test_greedy_with_drafts_matches_hf(model_dir_factory, case) -> None:
     assert stats.spec_decode_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
 
 
-def test_constrained_requests_beside_speculating_ones(llama_dir) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    constrained = SamplingParams(temperature=0.0, max_tokens=30,
+def test_constrained_requests_speculate_within_their_grammars(llama_dir) -> None:
+    """Drafts of constrained requests are checked against the grammar row by row (a refused
+    one is rejected): greedy replies as without drafts, every request constrained or every
+    other one; a random reply is still valid JSON."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "b": {"type": "string", "maxLength": 12}},
+              "required": ["a", "b"]}
+    constrained = SamplingParams(temperature=0.0, max_tokens=40,
                                  structured_outputs=StructuredOutputsParams(json=schema))
     free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in repeating_prompts()]
-    params = [constrained if i % 2 else free for i in range(len(prompts))]
+    batches = [[constrained] * len(prompts),
+               [constrained if i % 2 else free for i in range(len(prompts))]]
     results = []
     for spec in (None, NGRAM):
         with LLM(llama_dir, dtype="float32", max_model_len=128,
                  speculative_config=spec) as llm:
-            results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-            drafts = llm.stats().spec_decode_num_draft_tokens
+            results.append([[o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+                            for params in batches])
+            if spec is not None:
+                accepted = llm.stats().spec_decode_num_accepted_tokens
+                sampled = llm.generate(prompts[:2], SamplingParams(
+                    temperature=0.8, max_tokens=100,
+                    structured_outputs=StructuredOutputsParams(json=schema)))
     assert results[1] == results[0]
-    assert drafts > 0
+    assert accepted > 0
+    for out in sampled:
+        assert out.outputs[0].finish_reason == "stop"
+        reply = json.loads(out.outputs[0].text)
+        assert isinstance(reply["a"], int) and len(reply["b"]) <= 12
 
 
 @pytest.mark.slow
