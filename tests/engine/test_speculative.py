@@ -158,3 +158,14 @@ def test_penalties_count_the_drafts_before_each_row(llama_dir, penalties) -> Non
     assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     if penalties.get("repetition_penalty", 1.0) < 1.0 or penalties.get("presence_penalty", 0) < 0:
         assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_n_completions_speculate_each(llama_dir, reference) -> None:
+    llm = LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config=NGRAM)
+    out = llm.generate(prompts()[:1], SamplingParams(n=3, temperature=0.0, max_tokens=40,
+                                                     ignore_eos=True))[0]
+    assert [c.token_ids for c in out.outputs] == [reference[0]] * 3
+    random = llm.generate(prompts()[:1], SamplingParams(n=3, temperature=1.0, max_tokens=40,
+                                                        ignore_eos=True))[0]
+    assert all(len(c.token_ids) == 40 for c in random.outputs)
+    assert llm.stats().spec_decode_num_drafts > 0
