@@ -143,8 +143,7 @@ def child(args: argparse.Namespace) -> None:
         "method": "ngram", "num_speculative_tokens": int(args.child.removeprefix("ngram_k")),
         "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     prompts = [{"prompt_token_ids": ids} for ids in chat_prompts(args.model)]
-    llm = LLM(str(args.model), dtype="bfloat16", max_model_len=1024,
-              speculative_config=spec)
+    llm = LLM(str(args.model), dtype="bfloat16", speculative_config=spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
     before = llm.stats()
