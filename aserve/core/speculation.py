@@ -68,10 +68,15 @@ class SuffixProposer:
     `max_cached_requests` finished requests). A query takes the positions of its last two
     tokens, extends each match backwards up to `max_tree_depth` tokens, keeps the longest, and
     walks their continuations forward: no tree is built, and a step costs O(occurrences x
-    depth) over at most `MAX_OCCURRENCES` recent occurrences per index."""
+    depth) over at most `MAX_OCCURRENCES` recent occurrences per index.
+
+    Memory is bounded whatever the clients send (about 120 bytes an indexed token): a
+    request's index covers its last `WINDOW` tokens (rebuilt from them once it spans twice
+    that), and the cache holds `MAX_CACHED_TOKENS` output tokens at most."""
 
     MAX_OCCURRENCES = 256  # most recent occurrences of a token pair a query looks at
-    MAX_CACHED_TOKENS = 1 << 20  # output tokens the cache holds at most, over its requests
+    WINDOW = 4096  # a request's tokens its own index covers (the latest)
+    MAX_CACHED_TOKENS = 1 << 18  # output tokens the cache holds at most, over its requests
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -79,7 +84,9 @@ class SuffixProposer:
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.spec_factor = config.suffix_decoding_max_spec_factor
         self.min_prob = config.suffix_decoding_min_token_prob
-        self._own: dict[str, tuple[int, dict[tuple[int, int], list[int]]]] = {}  # indexed
+        # req id -> (first position indexed, tokens indexed, token pair -> the positions it
+        # ends at)
+        self._own: dict[str, tuple[int, int, dict[tuple[int, int], list[int]]]] = {}
         self._cache: dict[int, list[int]] = {}  # cache id -> output tokens, oldest first
         self._cache_index: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self._cache_tokens = 0
@@ -136,10 +143,13 @@ class SuffixProposer:
                    ) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
         """The request's pair index, brought up to its tokens (which only grow: a preempted
         request keeps them), and the tokens themselves."""
-        indexed, index = self._own.get(req_id, (0, {}))
-        for end in range(max(2, indexed + 1), len(token_ids) + 1):
+        start, indexed, index = self._own.get(req_id, (0, 0, {}))
+        if len(token_ids) - start > 2 * self.WINDOW:  # drop what left the window
+            start = indexed = len(token_ids) - self.WINDOW
+            index = {}
+        for end in range(max(start + 2, indexed + 1), len(token_ids) + 1):
             index.setdefault((token_ids[end - 2], token_ids[end - 1]), []).append(end)
-        self._own[req_id] = (len(token_ids), index)
+        self._own[req_id] = (start, len(token_ids), index)
         return token_ids, index
 
     def finish(self, req_id: str, output_token_ids: list[int]) -> None:

@@ -118,3 +118,21 @@ def test_drafting_stops_when_steps_are_compute_bound(num_requests: int,
     assert not scheduler.has_unfinished_requests()
     assert (late_drafts > 0) == drafts_late
     assert all(len(tokens) == 60 for tokens in runner.streamed.values())
+
+
+def test_suffix_memory_is_bounded_whatever_the_lengths() -> None:
+    proposer = suffix()
+    proposer.WINDOW = window = 64  # (4096 by default)
+    tokens = [i % 500 for i in range(3 * window)]  # a hostile prompt: far past the window
+    proposer.propose("long", tokens)
+    generated = window + 10
+    for i in range(generated):  # and a long generation after it
+        tokens.append(i % 7)
+        proposer.propose("long", tokens)
+    _, _, index = proposer._own["long"]
+    assert sum(map(len, index.values())) <= 2 * window
+    # drafts still come from the window: the generation repeats with period 7
+    assert proposer.propose("long", tokens)[:7] == [(generated + j) % 7 for j in range(7)]
+    proposer.finish("long", tokens)
+    assert "long" not in proposer._own
+    assert proposer._cache_tokens <= SuffixProposer.MAX_CACHED_TOKENS
