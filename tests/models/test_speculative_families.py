@@ -1,7 +1,7 @@
 """Greedy with n-gram drafts equals HF transformers' on every model family's tiny model —
 sliding windows (their blocks freed behind the window while drafts roll back), mixtures of
-experts, soft-caps — under 16-token chunks and small blocks; constrained requests decode
-beside speculating ones unchanged; TP=2 and PP=2 (slow)."""
+experts, soft-caps — under 16-token chunks and small blocks; constrained requests speculate
+within their grammars; TP=2, PP=2 and SP=2 (slow)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def test_constrained_requests_speculate_within_their_grammars(llama_dir) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
-                                    {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+                                    {"pipeline_parallel_size": 2},
+                                    {"sequence_parallel_size": 2}], ids=["tp2", "pp2", "sp2"])
 def test_parallel_layouts_with_drafts_match_hf(model_dir_factory, layout) -> None:
     model_dir = model_dir_factory("llama")
     prompts = repeating_prompts()
