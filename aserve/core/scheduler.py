@@ -23,6 +23,7 @@ per KV cache group: the `KVCacheManager` answers for every group at once. A KV c
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, SchedulerConfig
@@ -50,6 +51,8 @@ from aserve.core.speculation import (
 )
 from aserve.core.step_cost import StepCostModel, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
+
+PROPOSE_SECONDS = 0.005  # a step's budget for proposing drafts (speculative decoding)
 
 
 class Scheduler:
@@ -315,6 +318,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        # drafts for the next step within PROPOSE_SECONDS of the engine thread (the requests
+        # past it decode a token, unchanged), whatever the requests' texts make lookups cost
+        propose_until = time.perf_counter() + PROPOSE_SECONDS
         for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
             self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
@@ -350,7 +356,8 @@ class Scheduler:
                 req_id, new_token_ids[:appended], runner_output.logprobs.get(req_id),
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
-            if self.proposer is not None and not request.is_finished:
+            if (self.proposer is not None and not request.is_finished
+                    and time.perf_counter() < propose_until):
                 self._propose(request)
         return outputs
 

@@ -74,7 +74,7 @@ class SuffixProposer:
     request's index covers its last `WINDOW` tokens (rebuilt from them once it spans twice
     that), and the cache holds `MAX_CACHED_TOKENS` output tokens at most."""
 
-    MAX_OCCURRENCES = 256  # most recent occurrences of a token pair a query looks at
+    MAX_OCCURRENCES = 32  # most recent occurrences of a token pair a query looks at
     WINDOW = 4096  # a request's tokens its own index covers (the latest)
     MAX_CACHED_TOKENS = 1 << 18  # output tokens the cache holds at most, over its requests
 

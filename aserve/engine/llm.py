@@ -37,8 +37,9 @@ class LLM:
     vLLM's keys, as a dict or its JSON text; a request's
     `SamplingParams.kv_transfer_params` then reaches it, and the producer's answer comes back
     in `RequestOutput.kv_transfer_params`), speculative_config (n-gram or suffix drafts:
-    vLLM's keys, as a dict or its JSON text; `stats()` counts the drafts). With several ranks, `shutdown()` (or leaving a
-    `with` block) stops them; they are also stopped when the interpreter exits.
+    vLLM's keys, as a dict or its JSON text; `stats()` counts the drafts). With several
+    ranks, `shutdown()` (or leaving a `with` block) stops them; they are also stopped when the
+    interpreter exits.
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:

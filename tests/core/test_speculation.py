@@ -136,3 +136,27 @@ def test_suffix_memory_is_bounded_whatever_the_lengths() -> None:
     proposer.finish("long", tokens)
     assert "long" not in proposer._own
     assert proposer._cache_tokens <= SuffixProposer.MAX_CACHED_TOKENS
+
+
+def test_proposing_stops_at_the_steps_time_budget(monkeypatch) -> None:
+    """Past PROPOSE_SECONDS of lookups in a step, requests decode a token (their tokens are
+    the same either way): an engine thread's step time has a bound whatever texts make the
+    lookups cost."""
+    import aserve.core.scheduler as scheduler_module
+
+    def run(budget: float) -> tuple[dict[str, list[int]], int]:
+        monkeypatch.setattr(scheduler_module, "PROPOSE_SECONDS", budget)
+        config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
+                                 max_model_len=100,
+                                 speculative=SpeculativeConfig(prompt_lookup_min=1))
+        scheduler = Scheduler(config, CacheConfig(block_size=4, num_blocks=400))
+        runner = FakeRunner(scheduler, repeating)
+        for i in range(4):
+            scheduler.add_request(Request(f"r{i}", [1 + i, 2, 3], SamplingParams(
+                temperature=0.0, max_tokens=30, ignore_eos=True)))
+        runner.run_until_done()
+        return runner.streamed, scheduler.make_stats().spec_decode_num_draft_tokens
+
+    with_drafts, drafted = run(1.0)
+    without, none = run(0.0)
+    assert drafted > 0 and none == 0 and without == with_drafts
