@@ -47,6 +47,11 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                vs captured decode graphs must give equal tokens (in bf16 they
                                differ by rounding: a padded batch runs other GEMM tiles); graph
                                replays, number of graphs, startup difference (capture time)
+    speculative      40 / 150  tiny llama and gemma2 (sliding window), float32, prompts that
+                               repeat themselves: greedy with n-gram and with suffix drafts
+                               equal to greedy without (a mismatch fails), drafts accepted
+                               and rejected, a random-sampled batch with drafts; the drafts
+                               and acceptance counted
     throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
                                --quick) in a temp dir; benchmarks/roofline.py --device (batch-1
                                TPOT against the device's measured read bandwidth: weight bytes
@@ -98,6 +103,7 @@ BUDGETS = {
     "quant_gemm": (40, 180),
     "parity": (150, 300),
     "graphs_vs_eager": (50, 180),
+    "speculative": (40, 150),
     "throughput": (140, 300),
     "tp": (10, 120),
 }
@@ -766,6 +772,58 @@ def graphs_one(ctx: Context, model_dir: Path) -> dict:
             "note": "capture_s = startup with graphs - startup with enforce_eager"}
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+
+def section_speculative(ctx: Context) -> None:
+    lines = []
+    for arch, model_dir in build_tiny_models(ctx, ["llama", "gemma2"]).items():
+        r = ctx.step(arch, speculative_one, ctx, model_dir)
+        lines.append(f"{arch}: " + ("error" if "error" in r else ", ".join(
+            f"{m} {v['num_equal']}/{v['num_prompts']} equal, {v['accepted']}/{v['drafted']} "
+            "drafts accepted" for m, v in r.items())))
+    ctx.result["summary"] = "; ".join(lines)
+
+
+def speculative_one(ctx: Context, model_dir: Path) -> dict:
+    import random
+
+    from aserve import SamplingParams
+
+    rng = random.Random(2)
+    prompts = []
+    for n in (5, 9, 14, 21, 40):
+        run = [rng.randrange(3, 500) for _ in range(n)]
+        prompts.append(run + run[: max(2, n // 2)])
+    prompts.append([100, 200, 300] * 4)  # the tiny llama's reply to it repeats itself
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    kwargs = {"dtype": "float32", "device": ctx.device}
+    plain, _ = run_llm(model_dir, prompts, params, **kwargs)
+    out = {}
+    for method, config in (("ngram", {"method": "ngram", "num_speculative_tokens": 4,
+                                      "prompt_lookup_min": 1}),
+                           ("suffix", {"method": "suffix", "num_speculative_tokens": 8})):
+        from aserve import LLM
+
+        with LLM(str(model_dir), speculative_config=config, **kwargs) as llm:
+            got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32))
+            stats = llm.stats()
+        mismatches = [i for i, (a, b) in enumerate(zip(plain, got))
+                      if a.outputs[0].token_ids != b.outputs[0].token_ids]
+        if mismatches:
+            ctx.fail(f"{model_dir.name} {method}: drafts changed greedy output: {mismatches}")
+        if not stats.spec_decode_num_accepted_tokens:
+            ctx.fail(f"{model_dir.name} {method}: no draft accepted")
+        out[method] = {"num_prompts": len(prompts), "num_equal": len(prompts) - len(mismatches),
+                       "drafted": stats.spec_decode_num_draft_tokens,
+                       "accepted": stats.spec_decode_num_accepted_tokens,
+                       "per_position": list(stats.spec_decode_num_accepted_tokens_per_pos)}
+        free_memory()
+    return out
+
+
 # ---------------------------------------------------------------- throughput
 
 BENCH_SHAPES = {  # ~1.1B parameters full; a small one for --quick
@@ -910,7 +968,8 @@ def tp_one(ctx: Context, model_dir: Path) -> dict:
 SECTIONS = {"env": section_env, "kernel_tests": section_kernel_tests,
             "fused_moe": section_fused_moe, "quant_gemm": section_quant_gemm,
             "parity": section_parity,
-            "graphs_vs_eager": section_graphs_vs_eager, "throughput": section_throughput,
+            "graphs_vs_eager": section_graphs_vs_eager,
+            "speculative": section_speculative, "throughput": section_throughput,
             "tp": section_tp}
 
 
