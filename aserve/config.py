@@ -317,9 +317,8 @@ class MoEConfig:
     interleaved_gate_up: bool = False  # gpt-oss' fused checkpoint: [E, H, 2I], gate/up alternating
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")  # what aserve runs; vLLM's others: refused by name
-LATER_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa",
-                             "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # vLLM's others: refused by name
+LATER_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 32  # drafts a step: each costs a row of logits and a KV slot
 
 
@@ -347,6 +346,9 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: a smaller model with the target's vocabulary (an HF directory or a GGUF
+    # file), drafting greedily on the target's block tables with KV buffers of its own
+    model: str | None = None
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
@@ -370,13 +372,11 @@ class SpeculativeConfig:
     @classmethod
     def _from_dict(cls, value: dict[str, Any]) -> SpeculativeConfig:
         method = value.pop("method", None)
+        if value.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling
+            value.pop("model")
+            method = method or "ngram"
         if method is None:
-            if value.get("model") not in (None, "ngram", "[ngram]"):
-                raise SpeculativeConfigError(
-                    "speculative_config: a draft model (model) is not supported yet; "
-                    f"methods aserve runs: {', '.join(SPECULATIVE_METHODS)}.")
-            method = "ngram"
-        value.pop("model", None)
+            method = "draft_model" if value.get("model") is not None else "ngram"
         if method in LATER_SPECULATIVE_METHODS:
             raise SpeculativeConfigError(
                 f"speculative_config.method {method!r} is not supported yet; methods aserve "
@@ -388,6 +388,10 @@ class SpeculativeConfig:
                 f"speculative_config has keys aserve does not know or run: {unknown}; known: "
                 f"method, {', '.join(sorted(known - {'method'}))}.")
         for key, item in value.items():
+            if key == "model":
+                if not isinstance(item, str) or not item:
+                    raise SpeculativeConfigError("speculative_config.model must be a path.")
+                continue
             real = key in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
             if not isinstance(item, (int, float) if real else int) or isinstance(item, bool):
                 raise SpeculativeConfigError(f"speculative_config.{key} must be "
@@ -408,6 +412,9 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"speculative_config.method {self.method!r} is not one aserve runs "
                 f"({', '.join(SPECULATIVE_METHODS)}).")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise SpeculativeConfigError(
+                "speculative_config: method draft_model takes a model (its path), and only it.")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(
                 "speculative_config.num_speculative_tokens must be within 1 .. "

@@ -102,6 +102,9 @@ class ModelRunnerOutput:
     # Speculative decoding: per request that had drafts, how many of them the target accepted
     # (its tokens this step: those drafts, then its entry in sampled_token_ids).
     num_accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding with a draft model: per request that sampled, the drafts proposed
+    # to follow its new token (the scheduler keeps what the next step can carry).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -78,6 +78,10 @@ class Scheduler:
         self._last_output: SchedulerOutput | None = None
         speculative = scheduler_config.speculative
         self.proposer = make_proposer(speculative) if speculative is not None else None
+        # a draft model's passes write k positions past a step's tokens: slots for them
+        self.num_lookahead = (speculative.num_speculative_tokens
+                              if speculative is not None and speculative.method == "draft_model"
+                              else 0)
         self.spec_num_drafts = self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens
                                             if speculative is not None else 0)
@@ -204,7 +208,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while (block_ids := kv.allocate_slots(request, num_new)) is None:
+            lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
+            while (block_ids := kv.allocate_slots(request, num_new + lookahead)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is request:
@@ -260,7 +265,8 @@ class Scheduler:
                     break
                 continue
             num_new = self._num_tokens_to_schedule(request, num_cached, plan)
-            if num_new <= 0 or kv.allocate_slots(request, num_new, num_cached,
+            if num_new <= 0 or kv.allocate_slots(request, num_new + self._lookahead(
+                    request, num_cached, num_new), num_cached,
                                                  cached_blocks) is None:
                 break
             self.remote_kv.register_local(request)
@@ -321,6 +327,8 @@ class Scheduler:
         # drafts for the next step within PROPOSE_SECONDS of the engine thread (the requests
         # past it decode a token, unchanged), whatever the requests' texts make lookups cost
         propose_until = time.perf_counter() + PROPOSE_SECONDS
+        if self.proposer is not None:
+            self.proposer.observe(runner_output.draft_token_ids)
         for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
             self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
@@ -360,6 +368,16 @@ class Scheduler:
                     and time.perf_counter() < propose_until):
                 self._propose(request)
         return outputs
+
+    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
+        """Slots to reserve past a step's tokens, where the step reaches the request's last
+        known token (it samples; a draft model then drafts into them), within max_model_len.
+        (Never short of it: the slots would cover known tokens not computed yet, and their
+        full blocks would be registered in the prefix cache before their K/V is written.)"""
+        if not self.num_lookahead or num_computed + num_new < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead,
+                          self.config.max_model_len - num_computed - num_new))
 
     def _verified_tokens(self, request: Request, drafts: list[int] | None, num_accepted: int,
                          token_id: int) -> list[int]:

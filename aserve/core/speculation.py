@@ -51,6 +51,9 @@ class NgramProposer:
                 return tokens[start:start + k].tolist()
         return []
 
+    def observe(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Drafts a runner proposed (a draft model's): none here."""
+
     def finish(self, req_id: str, output_token_ids: list[int]) -> None:
         """Nothing to forget: the lookup keeps no state between steps."""
 
@@ -152,6 +155,9 @@ class SuffixProposer:
         self._own[req_id] = (start, len(token_ids), index)
         return token_ids, index
 
+    def observe(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Drafts a runner proposed (a draft model's): none here."""
+
     def finish(self, req_id: str, output_token_ids: list[int]) -> None:
         """The request ends: forget its index; its output joins the cache (the oldest
         leave it past max_cached_requests or MAX_CACHED_TOKENS)."""
@@ -218,5 +224,28 @@ def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None
     return max(0, min(k, math.ceil(math.log(ratio) / math.log(alpha)) - 1))
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+class RunnerDrafts:
+    """The `draft_model` method's drafts: proposed by the runner's draft model after each
+    step (`runner/spec_draft.py`, in `ModelRunnerOutput.draft_token_ids`); the scheduler
+    keeps what the next step can carry, as for its own lookups."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self._latest: dict[str, list[int]] = {}
+
+    def observe(self, draft_token_ids: dict[str, list[int]]) -> None:
+        self._latest = draft_token_ids
+
+    def propose(self, req_id: str, token_ids: list[int], max_drafts: int | None = None
+                ) -> list[int]:
+        drafts = self._latest.get(req_id, [])
+        return list(drafts[:self.k if max_drafts is None else min(self.k, max_drafts)])
+
+    def finish(self, req_id: str, output_token_ids: list[int]) -> None:
+        """Nothing to forget: drafts live one step."""
+
+
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | RunnerDrafts:
+    if config.method == "draft_model":
+        return RunnerDrafts(config)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)

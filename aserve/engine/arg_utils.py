@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 from aserve.config import (
     MOE_COMBINES,
@@ -122,11 +123,7 @@ class EngineArgs:
                              f"{', '.join(MOE_COMBINES)}.")
         self._check_kv_transfer_config()
         if self.speculative_config is not None:
-            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
-            if self.kv_transfer_config is not None:
-                raise SpeculativeConfigError("speculative_config does not work with a KV "
-                                             "connector (kv_transfer_config) yet.")
-            self.async_scheduling = False
+            self._check_speculative_config()
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             if len(parts) != self.pipeline_parallel_size or not all(
@@ -149,6 +146,24 @@ class EngineArgs:
             raise KVTransferConfigError("kv_transfer_config does not work with pipeline or "
                                         "sequence parallelism yet (pipeline_parallel_size or "
                                         "sequence_parallel_size > 1).")
+
+    def _check_speculative_config(self) -> None:
+        spec = SpeculativeConfig.from_value(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            raise SpeculativeConfigError("speculative_config does not work with a KV "
+                                         "connector (kv_transfer_config) yet.")
+        if spec.method == "draft_model":
+            if self.world_size > 1:
+                raise SpeculativeConfigError("a draft model runs on one rank only yet "
+                                             "(tensor, pipeline and sequence parallel size 1).")
+            path = Path(spec.model).expanduser()
+            if not (is_gguf(str(path)) or (path / "config.json").is_file()):
+                raise SpeculativeConfigError(f"speculative_config.model {spec.model!r} is not "
+                                             "a model directory (config.json) or a GGUF file.")
+            spec = replace(spec, model=str(gguf_model_dir(str(path)) if is_gguf(str(path))
+                                           else path))
+        self.speculative_config = spec
+        self.async_scheduling = False  # a step's drafts follow the tokens of the step before
 
     def _check_sequence_parallel(self) -> None:
         """What sequence parallelism needs of the other flags (the heads it splits are checked
@@ -174,8 +189,14 @@ class EngineArgs:
 
     def worker_spec(self) -> WorkerSpec:
         """What every rank builds."""
+        spec = self.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = ModelConfig(model=spec.model, dtype=self.dtype, seed=self.seed,
+                                dequantize=self.dequantize)
         return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
-                          self.max_num_seqs, self.kv_transfer_config)
+                          self.max_num_seqs, self.kv_transfer_config, draft,
+                          spec.num_speculative_tokens if draft is not None else 0)
 
     def rank_layout(self) -> RankLayout:
         """pp × sp × tp ranks over `nnodes` nodes."""

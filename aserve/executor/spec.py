@@ -37,6 +37,9 @@ class WorkerSpec:
     enforce_eager: bool = False
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None  # each rank builds a worker side
+    # speculative decoding's draft model and its drafts a step (runner/spec_draft.py)
+    draft_model: ModelConfig | None = None
+    num_draft_tokens: int = 0
 
     def build(self, distributed: DistributedConfig | None = None,
               publish_inputs: Callable[[PreparedInputs | None, Any], None] | None = None,
@@ -53,7 +56,8 @@ class WorkerSpec:
                       enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
                       distributed=distributed, publish_inputs=publish_inputs,
                       kv_transfer_config=self.kv_transfer_config,
-                      gather_kv_reports=gather_kv_reports)
+                      gather_kv_reports=gather_kv_reports,
+                      draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
+from aserve.runner.spec_draft import DraftModel
 from aserve.runner.spec_verify import verify_drafts
 from aserve.structured_output import apply_token_bitmask
 
@@ -94,7 +95,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, block_size: int, platform: Platform,
                  device: torch.device,
                  publish_inputs: Callable[..., None] | None = None,
-                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None
+                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
+                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0
                  ) -> None:
         self.platform = platform
         self.device = device
@@ -124,6 +126,10 @@ class ModelRunner:
         self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
         self.grammar_masks = GrammarMasks(self.vocab_size, device,
                                           check_greedy_tokens=platform.computes_on_host)
+        # speculative decoding's draft model (`spec_draft.py`); None: drafts, if any, come
+        # from the scheduler's lookups
+        self.drafter = (DraftModel(draft_model, platform, device, self.vocab_size,
+                                   num_draft_tokens) if draft_model is not None else None)
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -162,6 +168,8 @@ class ModelRunner:
                 raise ValueError(f"layer {layer_id} has window {layer.sliding_window}, its KV "
                                  f"cache group {kv_cache_groups[group].sliding_window}.")
             layer.bind_kv_cache(buffers[buffer_id], group)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, self.block_size, list(kv_cache_groups))
 
     def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
         """Capture decode-only forwards of these batch sizes (after the KV cache is bound)."""
@@ -246,6 +254,9 @@ class ModelRunner:
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
+        if self.drafter is not None:  # its K/V of the same tokens
+            self.drafter.forward(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
+                                 self._attn_metadata(inputs))
         # (the saves: with one pipeline stage the forward is done here)
         kv_output = self.kv_hooks.after_forward(so.finished_req_ids, gather=True)
         return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output)
@@ -297,8 +308,21 @@ class ModelRunner:
                         states[i].append_output_token_id(draft)
             for i in inputs.sample_req_indices:
                 states[i].append_output_token_id(sampled[i])
+        drafts = self._draft(states, inputs.sample_req_indices) if num_sampling else {}
         return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
-                                 forward_seconds, step.kv_output, accepted)
+                                 forward_seconds, step.kv_output, accepted, drafts)
+
+    def _draft(self, states: list[CachedRequestState], rows: list[int]) -> dict[str, list[int]]:
+        """The draft model's drafts to follow each sampling request's new token (none
+        without a draft model); the scheduler keeps what it schedules of them."""
+        if self.drafter is None:
+            return {}
+        chosen = [states[i] for i in rows]
+        tables = self.block_tables.gather([s.req_id for s in chosen])
+        drafts = self.drafter.propose([s.all_token_ids[-1] for s in chosen],
+                                      [s.num_tokens - 1 for s in chosen], tables,
+                                      self.num_kv_groups)
+        return {s.req_id: d for s, d in zip(chosen, drafts, strict=True) if d}
 
     @staticmethod
     def _draft_logprobs(states: list[CachedRequestState], inputs: PreparedInputs,

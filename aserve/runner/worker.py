@@ -47,7 +47,8 @@ class Worker:
                  distributed: DistributedConfig | None = None,
                  publish_inputs: Callable[..., None] | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
-                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None
+                 gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
+                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0
                  ) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
@@ -61,7 +62,8 @@ class Worker:
         self.model_config = model_config
         self.block_size = block_size
         self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
-                                  publish_inputs, gather_kv_reports)
+                                  publish_inputs, gather_kv_reports, draft_model,
+                                  num_draft_tokens)
         self.kv_transfer_config = kv_transfer_config
         arch = self.runner.arch
         self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,
@@ -117,8 +119,11 @@ class Worker:
         arch = self.runner.arch
         num_buffers = max(len(kv_buffer_ids(kv_cache_groups, stage_layers(arch.num_layers, s)))
                           for s in range(get_pp_size()))
-        return num_bytes // kv_cache_bytes_per_block(arch, self.block_size, num_buffers,
-                                                     self.runner.num_kv_heads)
+        per_block = kv_cache_bytes_per_block(arch, self.block_size, num_buffers,
+                                             self.runner.num_kv_heads)
+        if self.runner.drafter is not None:  # the draft model's buffers share the block ids
+            per_block += self.runner.drafter.bytes_per_block(self.block_size)
+        return num_bytes // per_block
 
     def initialize_kv_cache(self, num_blocks: int,
                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:

@@ -28,9 +28,13 @@ from aserve.core.scheduler import Scheduler
 @st.composite
 def speculative_scenarios(draw: st.DrawFn) -> Scenario:
     scenario = draw(scenarios())
-    if draw(st.booleans()):
+    method = draw(st.sampled_from(["ngram", "suffix", "draft_model"]))
+    if method == "ngram":
         spec = SpeculativeConfig(num_speculative_tokens=draw(st.integers(1, 4)),
                                  prompt_lookup_min=1, prompt_lookup_max=draw(st.integers(1, 3)))
+    elif method == "draft_model":  # (FakeRunner drafts as a draft model would)
+        spec = SpeculativeConfig(method="draft_model", model="fake",
+                                 num_speculative_tokens=draw(st.integers(1, 4)))
     else:
         spec = SpeculativeConfig(method="suffix", num_speculative_tokens=draw(st.integers(1, 6)),
                                  suffix_decoding_max_tree_depth=draw(st.integers(2, 8)),

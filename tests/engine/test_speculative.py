@@ -169,3 +169,42 @@ def test_n_completions_speculate_each(llama_dir, reference) -> None:
                                                         ignore_eos=True))[0]
     assert all(len(c.token_ids) == 40 for c in random.outputs)
     assert llm.stats().spec_decode_num_drafts > 0
+
+
+@pytest.mark.parametrize("settings", [
+    {},
+    {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},
+    {"num_kv_blocks": 20, "block_size": 8, "max_model_len": 80},
+], ids=["default", "16_token_chunks", "forced_preemption"])
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_greedy_is_the_same_with_a_draft_model(llama_dir, model_dir_factory, reference,
+                                               settings, draft) -> None:
+    """A draft model drafts on the target's block tables: the target itself (its drafts all
+    accepted, but for rounding in near-ties) or another model of its vocabulary (most
+    rejected); greedy as without drafts either way, prefix hits and preemption included."""
+    draft_dir = llama_dir if draft == "itself" else model_dir_factory("llama", seed=7)
+    llm = LLM(llama_dir, dtype="float32", speculative_config={
+        "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
+        **{"max_model_len": 256, **settings})
+    for _ in range(2):
+        outs = llm.generate(prompts(), greedy())
+        assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = llm.stats()
+    drafted, accepted = stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+    assert drafted > 0
+    if draft == "itself":
+        assert accepted >= 0.9 * drafted
+    else:
+        assert accepted < drafted
+    if "num_kv_blocks" in settings:
+        assert stats.num_preemptions > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(llama_dir, model_dir_factory) -> None:
+    other = model_dir_factory("llama", vocab_size=509)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config={
+            "method": "draft_model", "model": str(other)})
+    with pytest.raises(SpeculativeConfigError, match="model directory"):
+        LLM(llama_dir, dtype="float32", max_model_len=256, speculative_config={
+            "method": "draft_model", "model": "/nonexistent/draft"})

@@ -238,9 +238,30 @@ class FakeRunner:
             num_decode = output.num_decode_tokens
             seconds = self.step_seconds(output.total_num_scheduled_tokens - num_decode,
                                         num_decode)
+        drafted = {req_id: self._draft(req_id) for req_id, token_id in zip(req_ids, sampled)
+                   if token_id is not None and self.scheduler.num_lookahead}
         return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
                                  forward_seconds=seconds, kv_connector_output=kv_output,
-                                 num_accepted_drafts=accepted)
+                                 num_accepted_drafts=accepted, draft_token_ids=drafted)
+
+    def _draft(self, req_id: str) -> list[int]:
+        """A draft model's drafts after a sampled token (`scheduler.num_lookahead` of them):
+        the model's own next tokens but every third position, which is off by one; the
+        positions it writes must lie in the request's blocks (the scheduler's lookahead),
+        within max_model_len."""
+        state, size = self.states[req_id], self.block_size
+        start = len(state.tokens) - 1  # the sampled token's position: the first pass writes it
+        drafts = []
+        for j in range(self.scheduler.num_lookahead):
+            position = start + j
+            if position >= self.scheduler.config.max_model_len - 1:
+                break
+            for table in state.block_ids:
+                assert position // size < len(table) and table[position // size] != 0, (
+                    f"{req_id}: a draft pass writes position {position} past its blocks")
+            token = self.token_fn(req_id, position + 1)
+            drafts.append(token + 1 if (position + 1) % 3 == 0 else token)
+        return drafts
 
     def _verify(self, req_id: str, drafts: list[int]) -> int:
         """Greedy verification of the drafts appended by `_compute`: keep the leading ones the

@@ -1,0 +1,119 @@
+"""`DraftModel`: speculative decoding's `draft_model` method, the runner's side. A smaller
+model with the target's vocabulary proposes drafts greedily after each step:
+
+    step N   target forward on the step's tokens ─┐ the draft model on the same tokens, into
+             verify, sample t (the token after     ┘ its own KV (rows of rejected drafts are
+             the accepted drafts)                    written again later, as the target's)
+             draft: t at p -> d1, d1 at p+1 -> d2, ... (k decode passes of the draft model
+             over every request that sampled, batched); d1..dk go back with the step's output
+    step N+1 the target verifies t, d1..dk (`spec_verify.py`: drafts as one-hot, exact)
+
+The draft model's KV buffers are indexed by the target's block ids: its layers are bound to
+the target's full-attention KV cache group, whose block tables it reads, so the scheduler's
+blocks serve both models, prefix hits and preemption included. The scheduler allocates k
+slots past each step's tokens for the passes above (`Scheduler`'s lookahead). Greedy drafts
+are one-hot, as vLLM's draft and EAGLE proposers treat theirs, so verification stays exact
+for random sampling too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from aserve.backends import Platform
+from aserve.config import KVCacheGroupSpec, ModelConfig
+from aserve.layers import bind_ops
+from aserve.layers.attention import AttentionMetadata
+from aserve.models import load_model
+from aserve.runner.kv_cache import allocate_kv_buffers, kv_cache_bytes_per_block
+
+
+class DraftModel:
+    def __init__(self, model_config: ModelConfig, platform: Platform, device: torch.device,
+                 vocab_size: int, num_tokens: int) -> None:
+        self.device = device
+        self.model, self.arch = load_model(model_config, device, platform.quantized_float16_as)
+        self.model.eval()
+        self.ops = platform.kernel_ops(self.arch.dtype)
+        bind_ops(self.model, self.ops)
+        if self.arch.vocab_size != vocab_size:
+            raise ValueError(f"the draft model {model_config.model} has a vocabulary of "
+                             f"{self.arch.vocab_size} tokens, the target {vocab_size}: a draft "
+                             "model needs the target's tokenizer.")
+        if any(w is not None for w in self.arch.layer_windows):
+            raise ValueError(f"the draft model {model_config.model} has sliding-window layers; "
+                             "a draft model of full-attention layers only is supported.")
+        self.k = num_tokens
+        self.group = 0
+        self.buffers: list[torch.Tensor] = []
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.attention_layers()[0].num_kv_heads
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return kv_cache_bytes_per_block(self.arch, block_size, len(self.model.attention_layers()),
+                                        self.num_kv_heads)
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int,
+                            kv_cache_groups: list[KVCacheGroupSpec]) -> None:
+        """Buffers of the target's block count, bound to its full-attention group."""
+        full = [g for g, group in enumerate(kv_cache_groups) if group.sliding_window is None]
+        if not full:
+            raise ValueError("a draft model needs a target with full-attention layers (its "
+                             "block tables cover every position).")
+        self.group, self.block_size = full[0], block_size
+        layers = self.model.attention_layers()
+        buffers = allocate_kv_buffers(self.arch, num_blocks, block_size, range(len(layers)),
+                                      self.num_kv_heads, self.device)
+        self.buffers = list(buffers.values())
+        for i, layer in enumerate(layers):
+            layer.bind_kv_cache(buffers[i], self.group)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> None:
+        """The draft model over a step's tokens (the target's inputs): its K/V, nothing else."""
+        self.model(input_ids, positions, metadata)
+
+    def propose(self, tokens: list[int], positions: list[int], tables: list[np.ndarray],
+                num_groups: int) -> list[list[int]]:
+        """k greedy drafts for each request whose last token `tokens[i]` sits at
+        `positions[i]`; `tables`: the requests' block tables per group (rows in order). A
+        request stops drafting at a position its blocks do not cover."""
+        table = tables[self.group]
+        drafts: list[list[int]] = [[] for _ in tokens]
+        active = list(range(len(tokens)))
+        current, where = list(tokens), list(positions)
+        for _ in range(self.k):
+            active = [i for i in active
+                      if where[i] // self.block_size < table.shape[1]
+                      and table[i, where[i] // self.block_size] != 0]
+            if not active:
+                break
+            pos = np.array([where[i] for i in active], dtype=np.int64)
+            rows = table[active]
+            slots = rows[np.arange(len(active)), pos // self.block_size].astype(np.int64)
+            slots = slots * self.block_size + pos % self.block_size
+            seq_lens = (pos + 1).astype(np.int32)
+            starts = np.arange(len(active) + 1, dtype=np.int32)
+            metadata = AttentionMetadata(
+                query_start_loc=self._tensor(starts), seq_lens=self._tensor(seq_lens),
+                block_table=self._tensor(np.ascontiguousarray(rows)),
+                slot_mapping=self._tensor(slots), max_query_len=1,
+                max_seq_len=int(seq_lens.max()), query_start_loc_cpu=starts.tolist(),
+                seq_lens_cpu=seq_lens.tolist())
+            if num_groups > 1:  # (its layers read their own group's; the others are unused)
+                metadata = replace(metadata, group_metadata=(metadata,) * num_groups)
+            ids = self._tensor(np.array([current[i] for i in active], dtype=np.int64))
+            hidden = self.model(ids, self._tensor(pos), metadata)
+            chosen = self.ops.argmax(self.model.compute_logits(hidden).float()).tolist()
+            for i, token in zip(active, chosen, strict=True):
+                drafts[i].append(int(token))
+                current[i], where[i] = int(token), where[i] + 1
+        return drafts
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
