@@ -49,7 +49,8 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                replays, number of graphs, startup difference (capture time)
     speculative      40 / 150  tiny llama and gemma2 (sliding window), float32, prompts that
                                repeat themselves: greedy with n-gram and with suffix drafts
-                               equal to greedy without (a mismatch fails), drafts accepted
+                               equal to greedy without (a mismatch fails; llama also with
+                               itself as its draft model), drafts accepted
                                and rejected, a random-sampled batch with drafts; the drafts
                                and acceptance counted
     throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
@@ -800,9 +801,13 @@ def speculative_one(ctx: Context, model_dir: Path) -> dict:
     kwargs = {"dtype": "float32", "device": ctx.device}
     plain, _ = run_llm(model_dir, prompts, params, **kwargs)
     out = {}
-    for method, config in (("ngram", {"method": "ngram", "num_speculative_tokens": 4,
-                                      "prompt_lookup_min": 1}),
-                           ("suffix", {"method": "suffix", "num_speculative_tokens": 8})):
+    methods = [("ngram", {"method": "ngram", "num_speculative_tokens": 4,
+                          "prompt_lookup_min": 1}),
+               ("suffix", {"method": "suffix", "num_speculative_tokens": 8})]
+    if "gemma" not in model_dir.name:  # (a draft model of full-attention layers only)
+        methods.append(("draft_model", {"method": "draft_model", "model": str(model_dir),
+                                        "num_speculative_tokens": 3}))
+    for method, config in methods:
         from aserve import LLM
 
         with LLM(str(model_dir), speculative_config=config, **kwargs) as llm:

@@ -59,6 +59,11 @@ class SchedulerOutput:
     # Speculative decoding: per request given drafts, the drafts, in order. Its tokens this
     # step are its last sampled token and these (they follow it at the next positions).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # With a draft model: per request that samples this step, how many drafts its draft
+    # passes should propose after it (the scheduler's policy; none listed: no passes).
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Whether the draft model runs on this step's tokens (its K/V): while drafting pays
+    draft_model_runs: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -105,6 +110,8 @@ class ModelRunnerOutput:
     # Speculative decoding with a draft model: per request that sampled, the drafts proposed
     # to follow its new token (the scheduler keeps what the next step can carry).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # the draft model's passes after sampling, and how many
+    draft_passes: int = 0
 
 
 @dataclass

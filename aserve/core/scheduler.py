@@ -44,6 +44,7 @@ from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.speculation import (
+    PRIOR_ACCEPTANCE,
     can_speculate,
     make_proposer,
     max_drafts_before_min_tokens,
@@ -79,6 +80,8 @@ class Scheduler:
         speculative = scheduler_config.speculative
         self.proposer = make_proposer(speculative) if speculative is not None else None
         # a draft model's passes write k positions past a step's tokens: slots for them
+        self.draft_pass_seconds = 0.0
+        self.spec_acceptance = PRIOR_ACCEPTANCE  # over every request's verifications
         self.num_lookahead = (speculative.num_speculative_tokens
                               if speculative is not None and speculative.method == "draft_model"
                               else 0)
@@ -146,8 +149,14 @@ class Scheduler:
             self._schedule_loaded(plan)
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        output.draft_model_runs = bool(self.num_lookahead) and self._drafting_pays()
         for req_id, num_tokens in plan.num_scheduled.items():
-            drafts = self.requests[req_id].spec_token_ids
+            request = self.requests[req_id]
+            if (self.num_lookahead and request.num_computed_tokens + num_tokens
+                    >= request.num_tokens and can_speculate(request.sampling_params)
+                    and (n := self._num_drafts(request)) > 0):
+                output.num_draft_tokens[req_id] = n  # the draft model's, after this step
+            drafts = request.spec_token_ids
             if drafts:  # (trimmed to what the step gives: _schedule_running)
                 output.scheduled_spec_decode_tokens[req_id] = list(drafts)
             request = self.requests[req_id]
@@ -329,6 +338,10 @@ class Scheduler:
         propose_until = time.perf_counter() + PROPOSE_SECONDS
         if self.proposer is not None:
             self.proposer.observe(runner_output.draft_token_ids)
+        if runner_output.draft_passes:  # a draft model's seconds a pass, averaged
+            seconds = runner_output.draft_seconds / runner_output.draft_passes
+            self.draft_pass_seconds = (seconds if not self.draft_pass_seconds
+                                       else 0.8 * self.draft_pass_seconds + 0.2 * seconds)
         for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
             self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
@@ -369,6 +382,32 @@ class Scheduler:
                 self._propose(request)
         return outputs
 
+    def _pass_tokens(self) -> float:
+        """A draft model's pass, in tokens of the step-cost fit (its seconds / b)."""
+        fit = self.step_cost.fit()
+        return self.draft_pass_seconds / fit[1] if fit is not None and fit[1] > 0 else 0.0
+
+    def _drafting_pays(self) -> bool:
+        """Whether a first draft pays at this batch size and the acceptance seen so far: the
+        draft model keeps its K/V while it does, and rests while it does not."""
+        return worthwhile_drafts(1, self.spec_acceptance, self.step_cost.fixed_cost_tokens(),
+                                 len(self.running), self._pass_tokens()) > 0
+
+    def _num_drafts(self, request: Request) -> int:
+        """Drafts worth proposing for the request's next step: as many as pay for themselves
+        in a step of this many decodes (`worthwhile_drafts`, from the step-cost fit, the
+        request's acceptance so far and a draft model's pass time), and as its max_tokens,
+        the model's length and its min_tokens leave room for after the token the step
+        samples anyway."""
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens,
+                   worthwhile_drafts(self.proposer.k, request.spec_acceptance,
+                                     self.step_cost.fixed_cost_tokens(), len(self.running),
+                                     self._pass_tokens()) + 1) - 1
+        below_min = max_drafts_before_min_tokens(request.num_output_tokens,
+                                                 request.sampling_params.min_tokens)
+        return room if below_min is None else min(room, below_min)
+
     def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
         """Slots to reserve past a step's tokens, where the step reaches the request's last
         known token (it samples; a draft model then drafts into them), within max_model_len.
@@ -388,7 +427,9 @@ class Scheduler:
         if not drafts:
             return [token_id]
         request.num_computed_tokens -= len(drafts) - num_accepted
-        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * num_accepted / len(drafts)
+        rate = num_accepted / len(drafts)
+        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
+        self.spec_acceptance = 0.9 * self.spec_acceptance + 0.1 * rate
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
         for position in range(num_accepted):
@@ -396,21 +437,11 @@ class Scheduler:
         return [*drafts[:num_accepted], token_id]
 
     def _propose(self, request: Request) -> None:
-        """Drafts for a decoding request's next step: as many as pay for themselves in a
-        step of this many decodes (`worthwhile_drafts`, from the step-cost fit and the
-        request's acceptance so far), and as its max_tokens and the model's length leave
-        room for after the token the step samples anyway."""
+        """Drafts for a decoding request's next step, as many as `_num_drafts` says."""
         params = request.sampling_params
         if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(params):
             return
-        room = min(request.max_tokens - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens,
-                   worthwhile_drafts(self.proposer.k, request.spec_acceptance,
-                                     self.step_cost.fixed_cost_tokens(), len(self.running)) + 1
-                   ) - 1
-        below_min = max_drafts_before_min_tokens(request.num_output_tokens, params.min_tokens)
-        if below_min is not None:
-            room = min(room, below_min)
+        room = self._num_drafts(request)
         if room > 0:
             request.spec_token_ids = self.proposer.propose(request.request_id,
                                                            request.all_token_ids, room)

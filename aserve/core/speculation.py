@@ -208,7 +208,7 @@ MIN_ACCEPTANCE = 0.1
 
 
 def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None,
-                      num_decoding: int) -> int:
+                      num_decoding: int, pass_tokens: float = 0.0) -> int:
     """How many of k drafts are worth their cost in a step of `num_decoding` decodes, by the
     step-cost model (`step_cost.py`: a step costs a + b * tokens, F = a / b).
 
@@ -216,11 +216,17 @@ def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None
     token is worth what a step without drafts spends on each of its tokens, (a + b D) / D. So
     draft j pays while acceptance^j * (F + D) > D: always while a step is mostly its fixed cost
     (few decodes against F), never once D is large beside F (the step is compute-bound, and
-    speculation would cost throughput). F unknown (no fit yet): all k."""
+    speculation would cost throughput). F unknown (no fit yet): all k.
+
+    A draft model's pass j also costs its time, shared by the step's D requests: in tokens of
+    the fit (`pass_tokens`, its seconds / b), draft j pays while acceptance^j (F + D) > D +
+    pass_tokens."""
     if fixed_cost_tokens is None or num_decoding <= 0:
         return k
     alpha = min(max(acceptance, MIN_ACCEPTANCE), 0.999)
-    ratio = num_decoding / (fixed_cost_tokens + num_decoding)  # < 1
+    ratio = (num_decoding + pass_tokens) / (fixed_cost_tokens + num_decoding)
+    if ratio >= 1:
+        return 0
     return max(0, min(k, math.ceil(math.log(ratio) / math.log(alpha)) - 1))
 
 

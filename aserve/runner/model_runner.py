@@ -80,6 +80,7 @@ class StartedStep:
     start: float
     masks: TokenMasks  # the constrained rows (their bitmask filled beside the forward)
     kv_output: KVConnectorOutput | None = None  # every rank's, with a KV connector
+    num_draft_tokens: dict[str, int] | None = None  # the draft model's drafts to propose
 
 
 class ModelRunner:
@@ -254,12 +255,16 @@ class ModelRunner:
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
-        if self.drafter is not None:  # its K/V of the same tokens
+        if self.drafter is not None and so.draft_model_runs:  # its K/V of the same tokens
+            # (while the cost policy stops drafting, under load, the draft model rests: its
+            # K/V of those steps' positions stays unwritten, and a request's later drafts
+            # over them are rejected more, which its acceptance then shows)
             self.drafter.forward(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                                  self._attn_metadata(inputs))
         # (the saves: with one pipeline stage the forward is done here)
         kv_output = self.kv_hooks.after_forward(so.finished_req_ids, gather=True)
-        return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output)
+        return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output,
+                           so.num_draft_tokens)
 
     @_no_grad
     def run_rank_step(self, inputs: PreparedInputs | None, metadata) -> KVConnectorOutput:
@@ -308,21 +313,29 @@ class ModelRunner:
                         states[i].append_output_token_id(draft)
             for i in inputs.sample_req_indices:
                 states[i].append_output_token_id(sampled[i])
-        drafts = self._draft(states, inputs.sample_req_indices) if num_sampling else {}
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
-                                 forward_seconds, step.kv_output, accepted, drafts)
+        output = ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
+                                   forward_seconds, step.kv_output, accepted)
+        if num_sampling and step.num_draft_tokens:
+            start = time.perf_counter()
+            output.draft_token_ids, output.draft_passes = self._draft(
+                states, inputs.sample_req_indices, step.num_draft_tokens)
+            output.draft_seconds = time.perf_counter() - start
+        return output
 
-    def _draft(self, states: list[CachedRequestState], rows: list[int]) -> dict[str, list[int]]:
-        """The draft model's drafts to follow each sampling request's new token (none
-        without a draft model); the scheduler keeps what it schedules of them."""
+    def _draft(self, states: list[CachedRequestState], rows: list[int],
+               counts: dict[str, int]) -> tuple[dict[str, list[int]], int]:
+        """The draft model's drafts to follow the new token of each sampling request the
+        scheduler asked drafts of (`counts`), and the passes that took."""
         if self.drafter is None:
-            return {}
-        chosen = [states[i] for i in rows]
+            return {}, 0
+        chosen = [states[i] for i in rows if counts.get(states[i].req_id, 0) > 0]
+        if not chosen:
+            return {}, 0
         tables = self.block_tables.gather([s.req_id for s in chosen])
-        drafts = self.drafter.propose([s.all_token_ids[-1] for s in chosen],
-                                      [s.num_tokens - 1 for s in chosen], tables,
-                                      self.num_kv_groups)
-        return {s.req_id: d for s, d in zip(chosen, drafts, strict=True) if d}
+        drafts, passes = self.drafter.propose(
+            [s.all_token_ids[-1] for s in chosen], [s.num_tokens - 1 for s in chosen], tables,
+            self.num_kv_groups, [counts[s.req_id] for s in chosen])
+        return {s.req_id: d for s, d in zip(chosen, drafts, strict=True) if d}, passes
 
     @staticmethod
     def _draft_logprobs(states: list[CachedRequestState], inputs: PreparedInputs,

@@ -3,7 +3,9 @@ model with the target's vocabulary proposes drafts greedily after each step:
 
     step N   target forward on the step's tokens ─┐ the draft model on the same tokens, into
              verify, sample t (the token after     ┘ its own KV (rows of rejected drafts are
-             the accepted drafts)                    written again later, as the target's)
+             the accepted drafts)                    written again later, as the target's),
+                                                     while drafting pays (it rests while the
+                                                     cost policy stops drafting)
              draft: t at p -> d1, d1 at p+1 -> d2, ... (k decode passes of the draft model
              over every request that sampled, batched); d1..dk go back with the step's output
     step N+1 the target verifies t, d1..dk (`spec_verify.py`: drafts as one-hot, exact)
@@ -79,20 +81,23 @@ class DraftModel:
         self.model(input_ids, positions, metadata)
 
     def propose(self, tokens: list[int], positions: list[int], tables: list[np.ndarray],
-                num_groups: int) -> list[list[int]]:
-        """k greedy drafts for each request whose last token `tokens[i]` sits at
-        `positions[i]`; `tables`: the requests' block tables per group (rows in order). A
-        request stops drafting at a position its blocks do not cover."""
+                num_groups: int, counts: list[int]) -> tuple[list[list[int]], int]:
+        """`counts[i]` (at most k) greedy drafts for each request whose last token
+        `tokens[i]` sits at `positions[i]`; `tables`: the requests' block tables per group
+        (rows in order). A request stops drafting at a position its blocks do not cover.
+        Returns the drafts and the passes run."""
         table = tables[self.group]
         drafts: list[list[int]] = [[] for _ in tokens]
         active = list(range(len(tokens)))
         current, where = list(tokens), list(positions)
-        for _ in range(self.k):
-            active = [i for i in active
-                      if where[i] // self.block_size < table.shape[1]
+        passes = 0
+        for step in range(min(self.k, max(counts, default=0))):
+            active = [i for i in active if counts[i] > step
+                      and where[i] // self.block_size < table.shape[1]
                       and table[i, where[i] // self.block_size] != 0]
             if not active:
                 break
+            passes += 1
             pos = np.array([where[i] for i in active], dtype=np.int64)
             rows = table[active]
             slots = rows[np.arange(len(active)), pos // self.block_size].astype(np.int64)
@@ -113,7 +118,7 @@ class DraftModel:
             for i, token in zip(active, chosen, strict=True):
                 drafts[i].append(int(token))
                 current[i], where[i] = int(token), where[i] + 1
-        return drafts
+        return drafts, passes
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

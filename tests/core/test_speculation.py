@@ -92,6 +92,12 @@ def test_worthwhile_drafts_fall_as_the_batch_grows() -> None:
     assert worthwhile_drafts(4, 0.7, 200.0, 300) == 1
     assert worthwhile_drafts(4, 0.0, 200.0, 1) == 2  # a floor: 0.1^2 * 201 > 1 > 0.1^3 * 201
     assert worthwhile_drafts(4, 0.95, 200.0, 300) > worthwhile_drafts(4, 0.5, 200.0, 300)
+    # a draft model's pass costs its time (in tokens of the fit): a cheap one still pays, one
+    # as costly as the step never does
+    assert worthwhile_drafts(3, 0.99, 200.0, 1, pass_tokens=50.0) == 3
+    assert worthwhile_drafts(3, 0.99, 200.0, 1, pass_tokens=300.0) == 0
+    assert (worthwhile_drafts(3, 0.8, 200.0, 32, pass_tokens=120.0)
+            < worthwhile_drafts(3, 0.8, 200.0, 32))
 
 
 @pytest.mark.parametrize("num_requests, drafts_late", [(1, True), (40, False)])

@@ -238,21 +238,25 @@ class FakeRunner:
             num_decode = output.num_decode_tokens
             seconds = self.step_seconds(output.total_num_scheduled_tokens - num_decode,
                                         num_decode)
-        drafted = {req_id: self._draft(req_id) for req_id, token_id in zip(req_ids, sampled)
-                   if token_id is not None and self.scheduler.num_lookahead}
+        asked = output.num_draft_tokens
+        drafted = {req_id: self._draft(req_id, asked[req_id])
+                   for req_id, token_id in zip(req_ids, sampled)
+                   if token_id is not None and asked.get(req_id)}
         return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
                                  forward_seconds=seconds, kv_connector_output=kv_output,
                                  num_accepted_drafts=accepted, draft_token_ids=drafted)
 
-    def _draft(self, req_id: str) -> list[int]:
-        """A draft model's drafts after a sampled token (`scheduler.num_lookahead` of them):
+    def _draft(self, req_id: str, count: int) -> list[int]:
+        """A draft model's `count` drafts after a sampled token (at most the scheduler's
+        `num_lookahead`):
         the model's own next tokens but every third position, which is off by one; the
         positions it writes must lie in the request's blocks (the scheduler's lookahead),
         within max_model_len."""
         state, size = self.states[req_id], self.block_size
         start = len(state.tokens) - 1  # the sampled token's position: the first pass writes it
         drafts = []
-        for j in range(self.scheduler.num_lookahead):
+        assert count <= self.scheduler.num_lookahead
+        for j in range(count):
             position = start + j
             if position >= self.scheduler.config.max_model_len - 1:
                 break

@@ -102,3 +102,29 @@ def test_parallel_layouts_with_drafts_match_hf(model_dir_factory, layout) -> Non
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert llm.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_a_draft_model_beside_a_hybrid_target(model_dir_factory, monkeypatch) -> None:
+    """A target with a sliding-window group (gemma2): the draft model (a llama of its
+    vocabulary) reads the full-attention group's tables; greedy as HF's. A draft model with
+    sliding windows, or a target without a full-attention group, is refused. (The cost
+    policy is lifted: a draft this size never pays.)"""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    arch, overrides = SLIDING_CASES["gemma2"]
+    target = model_dir_factory(arch, **overrides)
+    draft = model_dir_factory("llama", seed=3)
+    prompts = repeating_prompts()
+    expected = hf_greedy(target, prompts, NUM_NEW)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
+    with LLM(target, dtype="float32", max_model_len=128, block_size=8, speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.stats().spec_decode_num_draft_tokens > 0
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(draft, dtype="float32", max_model_len=128,
+            speculative_config={"method": "draft_model", "model": str(target)})
+    arch, overrides = SLIDING_CASES["mistral"]  # every layer slides
+    with pytest.raises(ValueError, match="full-attention"):
+        LLM(model_dir_factory(arch, **overrides), dtype="float32", max_model_len=128,
+            speculative_config={"method": "draft_model", "model": str(draft)})
