@@ -81,7 +81,8 @@ class Request:
         # Speculative decoding: tokens proposed to follow all_token_ids, verified by the next
         # step that schedules them (core/speculation.py); [] while there are none
         self.spec_token_ids: list[int] = []
-        self.spec_acceptance = 0.5  # its drafts' acceptance, estimated (core/speculation.py)
+        # its drafts' acceptance, estimated (core/speculation.py); None: none verified yet
+        self.spec_acceptance: float | None = None
 
     @property
     def kv_transfer_params(self) -> dict | None:

@@ -44,7 +44,6 @@ from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.speculation import (
-    PRIOR_ACCEPTANCE,
     can_speculate,
     make_proposer,
     max_drafts_before_min_tokens,
@@ -81,7 +80,6 @@ class Scheduler:
         self.proposer = make_proposer(speculative) if speculative is not None else None
         # a draft model's passes write k positions past a step's tokens: slots for them
         self.draft_pass_seconds = 0.0
-        self.spec_acceptance = PRIOR_ACCEPTANCE  # over every request's verifications
         self.num_lookahead = (speculative.num_speculative_tokens
                               if speculative is not None and speculative.method == "draft_model"
                               else 0)
@@ -208,7 +206,7 @@ class Scheduler:
         return min(num_new, plan.limit(is_prefill(request, num_computed, num_new)))
 
     def _schedule_running(self, plan: StepPlan) -> None:
-        kv, index = self.kv_cache_manager, 0
+        index = 0
         while index < len(self.running) and plan.num_tokens > 0:
             request = self.running[index]
             num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
@@ -217,8 +215,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
-            while (block_ids := kv.allocate_slots(request, num_new + lookahead)) is None:
+            while (block_ids := self._allocate(request, num_new)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is request:
@@ -274,9 +271,8 @@ class Scheduler:
                     break
                 continue
             num_new = self._num_tokens_to_schedule(request, num_cached, plan)
-            if num_new <= 0 or kv.allocate_slots(request, num_new + self._lookahead(
-                    request, num_cached, num_new), num_cached,
-                                                 cached_blocks) is None:
+            if num_new <= 0 or self._allocate(request, num_new, num_cached,
+                                              cached_blocks) is None:
                 break
             self.remote_kv.register_local(request)
             self.waiting.pop()
@@ -388,9 +384,10 @@ class Scheduler:
         return self.draft_pass_seconds / fit[1] if fit is not None and fit[1] > 0 else 0.0
 
     def _drafting_pays(self) -> bool:
-        """Whether a first draft pays at this batch size and the acceptance seen so far: the
-        draft model keeps its K/V while it does, and rests while it does not."""
-        return worthwhile_drafts(1, self.spec_acceptance, self.step_cost.fixed_cost_tokens(),
+        """Whether a first draft, even one always accepted, pays at this batch size: the
+        draft model keeps its K/V while it does, and rests while it does not (a batch
+        compute-bound beside the draft model's passes)."""
+        return worthwhile_drafts(1, 1.0, self.step_cost.fixed_cost_tokens(),
                                  len(self.running), self._pass_tokens()) > 0
 
     def _num_drafts(self, request: Request) -> int:
@@ -401,12 +398,26 @@ class Scheduler:
         samples anyway."""
         room = min(request.max_tokens - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens,
-                   worthwhile_drafts(self.proposer.k, request.spec_acceptance,
+                   worthwhile_drafts(self.proposer.k, 1.0 if request.spec_acceptance is None
+                                     else request.spec_acceptance,
                                      self.step_cost.fixed_cost_tokens(), len(self.running),
                                      self._pass_tokens()) + 1) - 1
         below_min = max_drafts_before_min_tokens(request.num_output_tokens,
                                                  request.sampling_params.min_tokens)
         return room if below_min is None else min(room, below_min)
+
+    def _allocate(self, request: Request, num_new: int, num_cached: int = 0,
+                  cached_blocks: GroupBlocks | None = None) -> tuple[list[int], ...] | None:
+        """`allocate_slots` for `num_new` tokens, with a draft model's lookahead slots
+        (`_lookahead`) where they fit, else without them (its passes then stop short)."""
+        kv = self.kv_cache_manager
+        lookahead = self._lookahead(request, request.num_computed_tokens + num_cached, num_new)
+        if lookahead:
+            block_ids = kv.allocate_slots(request, num_new + lookahead, num_cached,
+                                          cached_blocks)
+            if block_ids is not None:
+                return block_ids
+        return kv.allocate_slots(request, num_new, num_cached, cached_blocks)
 
     def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
         """Slots to reserve past a step's tokens, where the step reaches the request's last
@@ -428,8 +439,8 @@ class Scheduler:
             return [token_id]
         request.num_computed_tokens -= len(drafts) - num_accepted
         rate = num_accepted / len(drafts)
-        request.spec_acceptance = 0.7 * request.spec_acceptance + 0.3 * rate
-        self.spec_acceptance = 0.9 * self.spec_acceptance + 0.1 * rate
+        request.spec_acceptance = (rate if request.spec_acceptance is None
+                                   else 0.7 * request.spec_acceptance + 0.3 * rate)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += len(drafts)
         for position in range(num_accepted):
@@ -515,7 +526,8 @@ class Scheduler:
             assert request.num_computed_tokens <= covered, (
                 f"group {group_id}'s blocks do not cover {request}")
             max_blocks = max_blocks_per_request(kv.groups[group_id], config.max_model_len,
-                                                config.max_num_batched_tokens)
+                                                config.max_num_batched_tokens
+                                                + self.num_lookahead)
             num_held = sum(1 for block_id in block_ids if block_id != 0)
             assert num_held <= max_blocks, f"{request} holds {num_held} blocks of group {group_id}"
         assert request.num_computed_tokens <= (request.num_tokens + request.num_output_placeholders

@@ -200,10 +200,10 @@ def max_drafts_before_min_tokens(num_output_tokens: int, min_tokens: int) -> int
     return min_tokens - num_output_tokens - 1
 
 
-# The acceptance a request starts from, before its own drafts are verified, and the lowest
-# a request's estimate goes (below it a request would stop drafting for good: it still
-# drafts one or two tokens while steps are cheap, and recovers if its text starts repeating)
-PRIOR_ACCEPTANCE = 0.5
+# The lowest a request's acceptance estimate counts as (below it a request would stop
+# drafting for good: it still drafts one or two tokens while steps are cheap, and recovers
+# if its text starts repeating). A request none of whose drafts were verified yet counts as
+# accepting all: it drafts as much as pays once, and its own rate decides from then on.
 MIN_ACCEPTANCE = 0.1
 
 

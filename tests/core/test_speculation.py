@@ -4,7 +4,7 @@ may speculate, and the policy that stops drafting once a step is compute-bound."
 from __future__ import annotations
 
 import pytest
-from helpers.fake_runner import FakeRunner
+from helpers.fake_runner import FakeRunner, fake_token
 from helpers.scheduler_scenarios import repeating
 
 from aserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -31,6 +31,11 @@ def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     assert proposer.propose("r", [6, 1, 6, 2, 6, 3, 6]) == [3, 6]  # the latest match, to the end
     strict = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=2))
     assert strict.propose("r", [1, 2, 9, 2]) == []  # one token matches, two do not
+
+
+def half_repeating(req_id: str, position: int) -> int:
+    """`repeating` at odd positions, anything at even ones: drafts half accepted."""
+    return repeating(req_id, position) if position % 2 else fake_token(req_id, position, 12)
 
 
 def suffix(**keys) -> SuffixProposer:
@@ -103,13 +108,14 @@ def test_worthwhile_drafts_fall_as_the_batch_grows() -> None:
 @pytest.mark.parametrize("num_requests, drafts_late", [(1, True), (40, False)])
 def test_drafting_stops_when_steps_are_compute_bound(num_requests: int,
                                                      drafts_late: bool) -> None:
-    """Steps cost 10 ms + 1 ms a token (F = 10 tokens): one stream keeps drafting, forty
-    streams stop once the fit is known."""
+    """Steps cost 10 ms + 1 ms a token (F = 10 tokens), drafts are accepted about half the
+    time: one stream keeps drafting, forty streams stop once the fit and their acceptance
+    are known (a draft pays while acceptance^j (F + D) > D: 0.5 < 40 / 50)."""
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=200,
                              speculative=SpeculativeConfig(num_speculative_tokens=3,
                                                            prompt_lookup_min=1))
     scheduler = Scheduler(config, CacheConfig(block_size=4, num_blocks=4000))
-    runner = FakeRunner(scheduler, repeating,
+    runner = FakeRunner(scheduler, half_repeating,
                         step_seconds=lambda prefill, decode: 0.010 + 0.001 * (prefill + decode))
     for i in range(num_requests):
         scheduler.add_request(Request(f"r{i}", [1 + i % 7, 2, 3], SamplingParams(
