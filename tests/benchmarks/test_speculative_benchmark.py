@@ -30,7 +30,8 @@ def test_speculative_reports_each_configuration_beside_no_drafts(model_dir_facto
     assert report["no_drafts_tok_s"] > 0 and report["c2_no_drafts_tok_s"] > 0
     for name in ("ngram_k2", "suffix"):
         row = report[name]
-        assert row["over_no_drafts"] == round(row["tok_s"] / report["no_drafts_tok_s"], 3)
+        # (the ratio of the unrounded figures)
+        assert abs(row["over_no_drafts"] - row["tok_s"] / report["no_drafts_tok_s"]) < 0.005
         assert 0 <= row["acceptance"] <= 1 and row["tokens_per_verify_step"] >= 1
         assert 0 <= row["same_replies"] <= 3 and row["c2_over_no_drafts"] > 0
     assert "vllm" not in report
