@@ -157,7 +157,6 @@ class Scheduler:
             drafts = request.spec_token_ids
             if drafts:  # (trimmed to what the step gives: _schedule_running)
                 output.scheduled_spec_decode_tokens[req_id] = list(drafts)
-            request = self.requests[req_id]
             if not is_prefill(request, request.num_computed_tokens, num_tokens):
                 output.num_decode_tokens += 1
             request.num_computed_tokens += num_tokens
@@ -434,9 +433,9 @@ class Scheduler:
         """The tokens a step gave `request`: its accepted drafts, then the token sampled
         after them. The rejected drafts' positions are rolled back (their K/V slots are
         written again by the steps that compute the real tokens there)."""
-        request.spec_token_ids = []
         if not drafts:
             return [token_id]
+        request.spec_token_ids = []
         request.num_computed_tokens -= len(drafts) - num_accepted
         rate = num_accepted / len(drafts)
         request.spec_acceptance = (rate if request.spec_acceptance is None

@@ -46,6 +46,13 @@ class PreparedInputs:
     # predicts draft j + 1; the row after the drafts is the request's sampling row).
     spec_drafts: list[tuple[int, list[int]]] = field(default_factory=list)
 
+    def sampling_row_drafts(self) -> list[list[int]] | None:
+        """Per sampling row, the drafts it comes after ([] for most); None without drafts."""
+        if not self.spec_drafts:
+            return None
+        drafts = dict(self.spec_drafts)
+        return [drafts.get(i, []) for i in self.sample_req_indices]
+
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
                    block_tables: list[np.ndarray], block_size: int,
@@ -53,7 +60,6 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     """`block_tables`: per KV cache group, [len(states), max_num_blocks] int32, row i the
     block ids of `states[i]`, zero-padded. `drafts[i]`: the tokens request i's query runs on
     past its known ones (speculative decoding), or None."""
-    drafts = drafts or [[]] * len(states)
     num_reqs = len(states)
     query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -68,7 +74,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     else:
         input_ids = np.concatenate([
             np.asarray((s.all_token_ids + d if d else s.all_token_ids)[c:c + n], dtype=np.int64)
-            for s, c, n, d in zip(states, num_computed, num_scheduled, drafts)
+            for s, c, n, d in zip(states, num_computed, num_scheduled,
+                                  drafts or [None] * num_reqs)
         ])
         # position of each token = its request's computed count + its offset in the query
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
@@ -81,8 +88,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    sample_req_indices = [i for i, (s, d) in enumerate(zip(states, drafts))
-                          if seq_lens[i] == s.num_tokens + len(d)]
+    sample_req_indices = [i for i, s in enumerate(states)
+                          if seq_lens[i] == s.num_tokens + (len(drafts[i]) if drafts else 0)]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
     for i, (state, c, n) in enumerate(zip(states, num_computed, num_scheduled)):
@@ -92,7 +99,7 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         if c < end:
             spans.append((i, int(c), end - int(c)))
             rows.append(np.arange(query_start_loc[i], query_start_loc[i] + end - c))
-    spec_drafts = [(i, d) for i, d in enumerate(drafts) if d]
+    spec_drafts = [(i, d) for i, d in enumerate(drafts) if d] if drafts else []
     for i, d in spec_drafts:  # rows at the last known token and the drafts but the last
         last = query_start_loc[i + 1] - 1
         rows.append(np.arange(last - len(d), last))

@@ -248,10 +248,8 @@ class ModelRunner:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs, so.kv_connector_metadata)
-        drafts = dict(inputs.spec_drafts)
         masks = self.grammar_masks.start([states[i] for i in inputs.sample_req_indices],
-                                         [drafts.get(i, []) for i in inputs.sample_req_indices]
-                                         if drafts else None)
+                                         inputs.sampling_row_drafts())
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
@@ -293,10 +291,8 @@ class ModelRunner:
         accepted: dict[str, int] = {}
         if num_sampling:
             sample_states = [states[i] for i in inputs.sample_req_indices]
-            drafts = dict(inputs.spec_drafts)  # the sampling row of these follows their drafts
             token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks,
-                                     [drafts.get(i, []) for i in inputs.sample_req_indices]
-                                     if drafts else None)
+                                     inputs.sampling_row_drafts())
             for i, token_id in zip(inputs.sample_req_indices, token_ids):
                 sampled[i] = token_id
             if num_drafts:

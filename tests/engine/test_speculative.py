@@ -17,6 +17,14 @@ SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
 METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
 
 
+@pytest.fixture(autouse=True)
+def every_draft_proposed(monkeypatch):
+    """The cost policy drafts by the step times it measures, so how many drafts a run
+    verifies would depend on the host's moment: lifted here, where the tests count them
+    (tests/core/test_speculation.py tests the policy)."""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+
+
 def prompts(count: int = 6) -> list[dict]:
     """Prompts that repeat themselves (as edits and quotes do): a random run, twice over,
     with a little in between, so drafts come from the prompt as well as from the output."""
@@ -178,12 +186,12 @@ def test_n_completions_speculate_each(llama_dir, reference) -> None:
 ], ids=["default", "16_token_chunks", "forced_preemption"])
 @pytest.mark.parametrize("draft", ["itself", "another"])
 def test_greedy_is_the_same_with_a_draft_model(llama_dir, model_dir_factory, reference,
-                                               settings, draft, monkeypatch) -> None:
+                                               settings, draft) -> None:
     """A draft model drafts on the target's block tables: the target itself (its drafts all
     accepted, but for rounding in near-ties) or another model of its vocabulary (most
     rejected); greedy as without drafts either way, prefix hits and preemption included.
-    (A draft as costly as its target never pays: the cost policy is lifted here.)"""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    (A draft as costly as its target never pays: the cost policy is lifted, as in every
+    test here.)"""
     draft_dir = llama_dir if draft == "itself" else model_dir_factory("llama", seed=7)
     llm = LLM(llama_dir, dtype="float32", speculative_config={
         "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
