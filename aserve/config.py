@@ -317,8 +317,10 @@ class MoEConfig:
     interleaved_gate_up: bool = False  # gpt-oss' fused checkpoint: [E, H, 2I], gate/up alternating
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # vLLM's others: refused by name
-LATER_SPECULATIVE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+# methods whose drafts the runner proposes, from a model of their own (`model`)
+RUNNER_SPECULATIVE_METHODS = ("draft_model", "eagle", "eagle3")
+LATER_SPECULATIVE_METHODS = ("mtp", "medusa", "mlp_speculator")  # vLLM's: refused by name
 MAX_SPECULATIVE_TOKENS = 32  # drafts a step: each costs a row of logits and a KV slot
 
 
@@ -347,8 +349,14 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     # draft_model: a smaller model with the target's vocabulary (an HF directory or a GGUF
-    # file), drafting greedily on the target's block tables with KV buffers of its own
+    # file), drafting greedily on the target's block tables with KV buffers of its own;
+    # eagle / eagle3: an EAGLE head's directory (vLLM's checkpoint formats), the same way
     model: str | None = None
+
+    @property
+    def runner_drafts(self) -> bool:
+        """Whether the runner's own model proposes the drafts (after each step)."""
+        return self.method in RUNNER_SPECULATIVE_METHODS
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict | str) -> SpeculativeConfig:
@@ -412,9 +420,10 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"speculative_config.method {self.method!r} is not one aserve runs "
                 f"({', '.join(SPECULATIVE_METHODS)}).")
-        if (self.method == "draft_model") != (self.model is not None):
+        if self.runner_drafts != (self.model is not None):
             raise SpeculativeConfigError(
-                "speculative_config: method draft_model takes a model (its path), and only it.")
+                "speculative_config: methods draft_model, eagle and eagle3 take a model (its "
+                "path), and only they.")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise SpeculativeConfigError(
                 "speculative_config.num_speculative_tokens must be within 1 .. "

@@ -81,7 +81,7 @@ class Scheduler:
         # a draft model's passes write k positions past a step's tokens: slots for them
         self.draft_pass_seconds = 0.0
         self.num_lookahead = (speculative.num_speculative_tokens
-                              if speculative is not None and speculative.method == "draft_model"
+                              if speculative is not None and speculative.runner_drafts
                               else 0)
         self.spec_num_drafts = self.spec_num_draft_tokens = 0
         self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens

@@ -231,9 +231,10 @@ def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None
 
 
 class RunnerDrafts:
-    """The `draft_model` method's drafts: proposed by the runner's draft model after each
-    step (`runner/spec_draft.py`, in `ModelRunnerOutput.draft_token_ids`); the scheduler
-    keeps what the next step can carry, as for its own lookups."""
+    """The drafts of the `draft_model`, `eagle` and `eagle3` methods: proposed by the runner's
+    draft model or EAGLE head after each step (`runner/spec_draft.py`, `runner/spec_eagle.py`,
+    in `ModelRunnerOutput.draft_token_ids`); the scheduler keeps what the next step can
+    carry, as for its own lookups."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
@@ -252,6 +253,6 @@ class RunnerDrafts:
 
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | RunnerDrafts:
-    if config.method == "draft_model":
+    if config.runner_drafts:
         return RunnerDrafts(config)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)

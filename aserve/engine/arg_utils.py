@@ -152,11 +152,15 @@ class EngineArgs:
         if self.kv_transfer_config is not None:
             raise SpeculativeConfigError("speculative_config does not work with a KV "
                                          "connector (kv_transfer_config) yet.")
-        if spec.method == "draft_model":
+        if spec.runner_drafts:
             if self.world_size > 1:
-                raise SpeculativeConfigError("a draft model runs on one rank only yet "
-                                             "(tensor, pipeline and sequence parallel size 1).")
+                raise SpeculativeConfigError(f"speculative_config.method {spec.method} runs on "
+                                             "one rank only yet (tensor, pipeline and sequence "
+                                             "parallel size 1).")
             path = Path(spec.model).expanduser()
+            if spec.method != "draft_model" and not (path / "config.json").is_file():
+                raise SpeculativeConfigError(f"speculative_config.model {spec.model!r} is not "
+                                             "an EAGLE head's directory (config.json).")
             if not (is_gguf(str(path)) or (path / "config.json").is_file()):
                 raise SpeculativeConfigError(f"speculative_config.model {spec.model!r} is not "
                                              "a model directory (config.json) or a GGUF file.")
@@ -191,12 +195,13 @@ class EngineArgs:
         """What every rank builds."""
         spec = self.speculative_config
         draft = None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.runner_drafts:
             draft = ModelConfig(model=spec.model, dtype=self.dtype, seed=self.seed,
                                 dequantize=self.dequantize)
         return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
                           self.max_num_seqs, self.kv_transfer_config, draft,
-                          spec.num_speculative_tokens if draft is not None else 0)
+                          spec.num_speculative_tokens if draft is not None else 0,
+                          spec.method if draft is not None else "draft_model")
 
     def rank_layout(self) -> RankLayout:
         """pp × sp × tp ranks over `nnodes` nodes."""

@@ -37,9 +37,11 @@ class WorkerSpec:
     enforce_eager: bool = False
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None  # each rank builds a worker side
-    # speculative decoding's draft model and its drafts a step (runner/spec_draft.py)
+    # speculative decoding's draft model (or EAGLE head: `draft_method`) and its drafts a
+    # step (runner/spec_draft.py, runner/spec_eagle.py)
     draft_model: ModelConfig | None = None
     num_draft_tokens: int = 0
+    draft_method: str = "draft_model"
 
     def build(self, distributed: DistributedConfig | None = None,
               publish_inputs: Callable[[PreparedInputs | None, Any], None] | None = None,
@@ -57,7 +59,8 @@ class WorkerSpec:
                       distributed=distributed, publish_inputs=publish_inputs,
                       kv_transfer_config=self.kv_transfer_config,
                       gather_kv_reports=gather_kv_reports,
-                      draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens)
+                      draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens,
+                      draft_method=self.draft_method)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ A stage builds only its own layers (`distributed.stage_layers`); the others' ind
 layers as one call (`backends.ops.fuse_layers`, for layers of the pre-norm form it describes):
 `bind_ops` asks for it once, here in `prepare`; `forward` then tries that call first and runs the
 layers itself wherever it covers no step (`unfused`: every step).
+
+`capture(layer_ids)` keeps the residual stream entering those layers at every forward, in
+`aux_hidden` (an EAGLE-3 head reads them: `models/eagle.py`); the stage's layers then run in
+segments between them, each segment the platform's call where it has one.
 """
 
 from __future__ import annotations
@@ -59,11 +63,27 @@ class DecoderStack(PreparedLayer):
                                     for i in range(num_layers))
         self.norm = norm() if self.is_last else None
         self.pre_norm = pre_norm
-        self.fused: DecoderLayerFn = unfused  # the platform's call for the stage's layers
+        self.aux_layer_ids: tuple[int, ...] = ()  # see `capture`
+        self.aux_hidden: list[torch.Tensor] = []
+        # (first layer, end, the platform's call for them) per segment of the stage's layers
+        self.segments: list[tuple[int, int, DecoderLayerFn]] = [
+            (self.owned.start, self.owned.stop, unfused)]
 
     def prepare(self) -> None:
-        """The platform's fused form of this stage's layers, where they are pre-norm ones."""
-        self.fused = fuse_layers(self.ops, list(self.owned_layers())) if self.pre_norm else unfused
+        """The platform's fused form of this stage's layers (of each segment between captured
+        layers), where they are pre-norm ones."""
+        cuts = sorted({self.owned.start, self.owned.stop, *(
+            i for i in self.aux_layer_ids if self.owned.start < i < self.owned.stop)})
+        self.segments = [
+            (start, stop, fuse_layers(self.ops, list(self.layers[start:stop]))
+             if self.pre_norm else unfused)
+            for start, stop in itertools.pairwise(cuts)]
+
+    def capture(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep the residual stream entering each of `layer_ids` (this stage's) at every
+        forward, in `aux_hidden`, in layer order."""
+        self.aux_layer_ids = tuple(sorted(layer_ids))
+        self.prepare()
 
     def owned_layers(self) -> Iterator[nn.Module]:
         """The layers this stage runs, in order."""
@@ -79,12 +99,17 @@ class DecoderStack(PreparedLayer):
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         else:
             hidden, residual = intermediate
-        fused = self.fused(positions, hidden, residual, attn_metadata)  # None: not this step
-        if fused is None:
-            for layer in self.owned_layers():
-                hidden, residual = layer(positions, hidden, residual, attn_metadata)
-        else:
-            hidden, residual = fused
+        aux = []
+        for start, stop, fused in self.segments:
+            if start in self.aux_layer_ids:  # (a new tensor: the layers work in place)
+                aux.append(hidden.clone() if residual is None else hidden + residual)
+            out = fused(positions, hidden, residual, attn_metadata)  # None: not this step
+            if out is None:
+                for layer in itertools.islice(self.layers, start, stop):
+                    hidden, residual = layer(positions, hidden, residual, attn_metadata)
+            else:
+                hidden, residual = out
+        self.aux_hidden = aux
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -52,6 +52,7 @@ from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logpr
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.runner.spec_draft import DraftModel
+from aserve.runner.spec_eagle import EagleDrafter
 from aserve.runner.spec_verify import verify_drafts
 from aserve.structured_output import apply_token_bitmask
 
@@ -81,6 +82,7 @@ class StartedStep:
     masks: TokenMasks  # the constrained rows (their bitmask filled beside the forward)
     kv_output: KVConnectorOutput | None = None  # every rank's, with a KV connector
     num_draft_tokens: dict[str, int] | None = None  # the draft model's drafts to propose
+    draft_model_runs: bool = False  # the draft model (EAGLE head) keeps up this step
 
 
 class ModelRunner:
@@ -97,8 +99,8 @@ class ModelRunner:
                  device: torch.device,
                  publish_inputs: Callable[..., None] | None = None,
                  gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
-                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0
-                 ) -> None:
+                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0,
+                 draft_method: str = "draft_model") -> None:
         self.platform = platform
         self.device = device
         self.block_size = block_size
@@ -127,10 +129,16 @@ class ModelRunner:
         self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
         self.grammar_masks = GrammarMasks(self.vocab_size, device,
                                           check_greedy_tokens=platform.computes_on_host)
-        # speculative decoding's draft model (`spec_draft.py`); None: drafts, if any, come
-        # from the scheduler's lookups
-        self.drafter = (DraftModel(draft_model, platform, device, self.vocab_size,
-                                   num_draft_tokens) if draft_model is not None else None)
+        # speculative decoding's draft model (`spec_draft.py`) or EAGLE head (`spec_eagle.py`);
+        # None: drafts, if any, come from the scheduler's lookups
+        self.drafter: DraftModel | EagleDrafter | None = None
+        if draft_model is not None and draft_method == "draft_model":
+            self.drafter = DraftModel(draft_model, platform, device, self.vocab_size,
+                                      num_draft_tokens)
+        elif draft_model is not None:
+            self.drafter = EagleDrafter(draft_model, draft_method, self.model, platform, device,
+                                        num_draft_tokens)
+        self._target_hidden: torch.Tensor | None = None  # the last forward's, for EAGLE
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -173,7 +181,10 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks, self.block_size, list(kv_cache_groups))
 
     def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
-        """Capture decode-only forwards of these batch sizes (after the KV cache is bound)."""
+        """Capture decode-only forwards of these batch sizes (after the KV cache is bound);
+        none under an EAGLE-3 head, which reads hidden states from inside the stack."""
+        if isinstance(self.drafter, EagleDrafter) and self.model.model.aux_layer_ids:
+            return
         self.graphs = DecodeGraphs(self.model, self.platform, self.device, capture_sizes,
                                    max_blocks_per_seq, self.num_kv_groups)
         self.graphs.capture()
@@ -253,16 +264,16 @@ class ModelRunner:
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
         logits = self.run_model(inputs)  # [num_logits_rows, vocab], None: from the last stage
-        if self.drafter is not None and so.draft_model_runs:  # its K/V of the same tokens
-            # (while the cost policy stops drafting, under load, the draft model rests: its
-            # K/V of those steps' positions stays unwritten, and a request's later drafts
-            # over them are rejected more, which its acceptance then shows)
+        if isinstance(self.drafter, DraftModel) and so.draft_model_runs:  # its K/V of the
+            # same tokens (while the cost policy stops drafting, under load, the draft model
+            # rests: its K/V of those steps' positions stays unwritten, and a request's later
+            # drafts over them are rejected more, which its acceptance then shows)
             self.drafter.forward(self._tensor(inputs.input_ids), self._tensor(inputs.positions),
                                  self._attn_metadata(inputs))
         # (the saves: with one pipeline stage the forward is done here)
         kv_output = self.kv_hooks.after_forward(so.finished_req_ids, gather=True)
         return StartedStep(req_ids, states, inputs, logits, start, masks, kv_output,
-                           so.num_draft_tokens)
+                           so.num_draft_tokens, so.draft_model_runs)
 
     @_no_grad
     def run_rank_step(self, inputs: PreparedInputs | None, metadata) -> KVConnectorOutput:
@@ -311,18 +322,26 @@ class ModelRunner:
                 states[i].append_output_token_id(sampled[i])
         output = ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
                                    forward_seconds, step.kv_output, accepted)
-        if num_sampling and step.num_draft_tokens:
+        if isinstance(self.drafter, EagleDrafter) and step.draft_model_runs:
+            start = time.perf_counter()
+            table = self.block_tables.gather(step.req_ids)[self.drafter.group]
+            output.draft_token_ids, output.draft_passes = self.drafter.propose(
+                states, inputs, accepted, self.drafter.target_hidden(self._target_hidden),
+                table, self.num_kv_groups, step.num_draft_tokens or {})
+            output.draft_seconds = time.perf_counter() - start
+        elif num_sampling and step.num_draft_tokens:
             start = time.perf_counter()
             output.draft_token_ids, output.draft_passes = self._draft(
                 states, inputs.sample_req_indices, step.num_draft_tokens)
             output.draft_seconds = time.perf_counter() - start
+        self._target_hidden = None
         return output
 
     def _draft(self, states: list[CachedRequestState], rows: list[int],
                counts: dict[str, int]) -> tuple[dict[str, list[int]], int]:
         """The draft model's drafts to follow the new token of each sampling request the
         scheduler asked drafts of (`counts`), and the passes that took."""
-        if self.drafter is None:
+        if not isinstance(self.drafter, DraftModel):
             return {}, 0
         chosen = [states[i] for i in rows if counts.get(states[i].req_id, 0) > 0]
         if not chosen:
@@ -418,6 +437,8 @@ class ModelRunner:
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
             return None
+        if isinstance(self.drafter, EagleDrafter):
+            self._target_hidden = out  # [num_tokens, hidden_size]: the head reads its rows
         hidden = gather_rows(out, inputs.logits_indices, len(inputs.input_ids))
         if get_sp_rank() > 0:
             return None  # (the first SP rank's logits are the ones sampled)

@@ -30,26 +30,22 @@ from aserve.config import KVCacheGroupSpec, ModelConfig
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
+from aserve.models.arch_config import ModelArchConfig
 from aserve.runner.kv_cache import allocate_kv_buffers, kv_cache_bytes_per_block
 
 
-class DraftModel:
-    def __init__(self, model_config: ModelConfig, platform: Platform, device: torch.device,
-                 vocab_size: int, num_tokens: int) -> None:
+class PagedDrafter:
+    """What a draft model and an EAGLE head (`spec_eagle.py`) share: KV buffers of the
+    target's block count bound to its full-attention group, the metadata of a decode pass (one
+    token a request), and where a request's blocks stop."""
+
+    model: torch.nn.Module  # with attention_layers()
+    arch: ModelArchConfig  # its KV shape and dtype
+
+    def __init__(self, device: torch.device, num_tokens: int) -> None:
         self.device = device
-        self.model, self.arch = load_model(model_config, device, platform.quantized_float16_as)
-        self.model.eval()
-        self.ops = platform.kernel_ops(self.arch.dtype)
-        bind_ops(self.model, self.ops)
-        if self.arch.vocab_size != vocab_size:
-            raise ValueError(f"the draft model {model_config.model} has a vocabulary of "
-                             f"{self.arch.vocab_size} tokens, the target {vocab_size}: a draft "
-                             "model needs the target's tokenizer.")
-        if any(w is not None for w in self.arch.layer_windows):
-            raise ValueError(f"the draft model {model_config.model} has sliding-window layers; "
-                             "a draft model of full-attention layers only is supported.")
         self.k = num_tokens
-        self.group = 0
+        self.group, self.block_size = 0, 1
         self.buffers: list[torch.Tensor] = []
 
     @property
@@ -75,6 +71,56 @@ class DraftModel:
         for i, layer in enumerate(layers):
             layer.bind_kv_cache(buffers[i], self.group)
 
+    def covered(self, table: np.ndarray, row: int, position: int) -> bool:
+        """Whether row `row` of `table` (the full group's) has a block at `position`."""
+        block = position // self.block_size
+        return block < table.shape[1] and table[row, block] != 0
+
+    def metadata(self, rows: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray,
+                 slots: np.ndarray, num_groups: int) -> AttentionMetadata:
+        """Attention metadata of a pass: `rows` the requests' block-table rows (the full
+        group's), each with `query_lens` tokens ending its sequence of `seq_lens`."""
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=starts[1:])
+        seq_lens = seq_lens.astype(np.int32)
+        metadata = AttentionMetadata(
+            query_start_loc=self._tensor(starts), seq_lens=self._tensor(seq_lens),
+            block_table=self._tensor(np.ascontiguousarray(rows)),
+            slot_mapping=self._tensor(slots.astype(np.int64)),
+            max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=starts.tolist(), seq_lens_cpu=seq_lens.tolist())
+        if num_groups > 1:  # (its layers read their own group's; the others are unused)
+            metadata = replace(metadata, group_metadata=(metadata,) * num_groups)
+        return metadata
+
+    def decode_metadata(self, rows: np.ndarray, pos: np.ndarray, num_groups: int
+                        ) -> AttentionMetadata:
+        """One token a request, at `pos`."""
+        slots = rows[np.arange(len(pos)), pos // self.block_size].astype(np.int64)
+        slots = slots * self.block_size + pos % self.block_size
+        return self.metadata(rows, np.ones(len(pos), dtype=np.int32), pos + 1, slots,
+                             num_groups)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)
+
+
+class DraftModel(PagedDrafter):
+    def __init__(self, model_config: ModelConfig, platform: Platform, device: torch.device,
+                 vocab_size: int, num_tokens: int) -> None:
+        super().__init__(device, num_tokens)
+        self.model, self.arch = load_model(model_config, device, platform.quantized_float16_as)
+        self.model.eval()
+        self.ops = platform.kernel_ops(self.arch.dtype)
+        bind_ops(self.model, self.ops)
+        if self.arch.vocab_size != vocab_size:
+            raise ValueError(f"the draft model {model_config.model} has a vocabulary of "
+                             f"{self.arch.vocab_size} tokens, the target {vocab_size}: a draft "
+                             "model needs the target's tokenizer.")
+        if any(w is not None for w in self.arch.layer_windows):
+            raise ValueError(f"the draft model {model_config.model} has sliding-window layers; "
+                             "a draft model of full-attention layers only is supported.")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> None:
         """The draft model over a step's tokens (the target's inputs): its K/V, nothing else."""
@@ -92,26 +138,13 @@ class DraftModel:
         current, where = list(tokens), list(positions)
         passes = 0
         for step in range(min(self.k, max(counts, default=0))):
-            active = [i for i in active if counts[i] > step
-                      and where[i] // self.block_size < table.shape[1]
-                      and table[i, where[i] // self.block_size] != 0]
+            active = [i for i in active
+                      if counts[i] > step and self.covered(table, i, where[i])]
             if not active:
                 break
             passes += 1
             pos = np.array([where[i] for i in active], dtype=np.int64)
-            rows = table[active]
-            slots = rows[np.arange(len(active)), pos // self.block_size].astype(np.int64)
-            slots = slots * self.block_size + pos % self.block_size
-            seq_lens = (pos + 1).astype(np.int32)
-            starts = np.arange(len(active) + 1, dtype=np.int32)
-            metadata = AttentionMetadata(
-                query_start_loc=self._tensor(starts), seq_lens=self._tensor(seq_lens),
-                block_table=self._tensor(np.ascontiguousarray(rows)),
-                slot_mapping=self._tensor(slots), max_query_len=1,
-                max_seq_len=int(seq_lens.max()), query_start_loc_cpu=starts.tolist(),
-                seq_lens_cpu=seq_lens.tolist())
-            if num_groups > 1:  # (its layers read their own group's; the others are unused)
-                metadata = replace(metadata, group_metadata=(metadata,) * num_groups)
+            metadata = self.decode_metadata(table[active], pos, num_groups)
             ids = self._tensor(np.array([current[i] for i in active], dtype=np.int64))
             hidden = self.model(ids, self._tensor(pos), metadata)
             chosen = self.ops.argmax(self.model.compute_logits(hidden).float()).tolist()
@@ -119,6 +152,3 @@ class DraftModel:
                 drafts[i].append(int(token))
                 current[i], where[i] = int(token), where[i] + 1
         return drafts, passes
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)

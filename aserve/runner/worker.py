@@ -48,8 +48,8 @@ class Worker:
                  publish_inputs: Callable[..., None] | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
                  gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
-                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0
-                 ) -> None:
+                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0,
+                 draft_method: str = "draft_model") -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
@@ -63,7 +63,7 @@ class Worker:
         self.block_size = block_size
         self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
                                   publish_inputs, gather_kv_reports, draft_model,
-                                  num_draft_tokens)
+                                  num_draft_tokens, draft_method)
         self.kv_transfer_config = kv_transfer_config
         arch = self.runner.arch
         self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,

@@ -99,7 +99,8 @@ def test_random_sampling_with_drafts_keeps_its_lengths(llama_dir) -> None:
 
 
 @pytest.mark.parametrize("config", [
-    {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 0},
+    {"method": "eagle"}, {"method": "mtp"}, {"num_speculative_tokens": 0},
+    {"prompt_lookup_min": 0},
     {"num_speculative_tokens": 99}, {"bogus": 1}, "{not json",
     {"method": "suffix", "suffix_decoding_min_token_prob": 1.5},
     {"method": "suffix", "suffix_decoding_max_tree_depth": "8"},
