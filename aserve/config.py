@@ -107,8 +107,9 @@ class SchedulerConfig:
     # Batches in flight at once (pipeline stages). Above 1 a request waits for its token in
     # flight before it is scheduled again: consecutive batches hold different requests.
     max_batches_in_flight: int = 1
-    # Drafts after each step (core/speculation.py); None: a token a step. Needs synchronous
-    # scheduling: the next step's drafts follow this step's tokens.
+    # Drafts after each step (core/speculation.py); None: a token a step. Under async
+    # scheduling a request that would draft waits for its token in flight (its drafts follow
+    # it); the others overlap as without speculation.
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -117,10 +118,6 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
-        if self.speculative is not None and (self.async_scheduling
-                                             or self.max_batches_in_flight > 1):
-            raise ValueError("speculative decoding needs synchronous scheduling "
-                             "(async_scheduling off, one batch in flight).")
 
 
 @dataclass(frozen=True)

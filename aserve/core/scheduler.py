@@ -151,7 +151,8 @@ class Scheduler:
         for req_id, num_tokens in plan.num_scheduled.items():
             request = self.requests[req_id]
             if (self.num_lookahead and request.num_computed_tokens + num_tokens
-                    >= request.num_tokens and can_speculate(request.sampling_params)
+                    >= request.num_tokens and not request.num_output_placeholders
+                    and can_speculate(request.sampling_params)
                     and (n := self._num_drafts(request)) > 0):
                 output.num_draft_tokens[req_id] = n  # the draft model's, after this step
             drafts = request.spec_token_ids
@@ -194,8 +195,10 @@ class Scheduler:
         num_pending = request.num_output_placeholders
         if num_pending and (request.num_output_tokens + num_pending >= request.max_tokens
                             or request.num_tokens + num_pending >= self.config.max_model_len
-                            or self.config.max_batches_in_flight > 1):
-            return 0  # its token in flight is its last one, or the next batch needs it
+                            or self.config.max_batches_in_flight > 1
+                            or self._would_draft(request)):
+            return 0  # its token in flight is its last one, or the next batch (or its
+            # drafts, which follow that token) needs it
         num_new = request.num_tokens + num_pending - num_computed
         if num_new == 1:  # decoding: its drafts ride along (none without speculation)
             num_new += len(request.spec_token_ids)
@@ -389,6 +392,12 @@ class Scheduler:
         return worthwhile_drafts(1, 1.0, self.step_cost.fixed_cost_tokens(),
                                  len(self.running), self._pass_tokens()) > 0
 
+    def _would_draft(self, request: Request) -> bool:
+        """Whether drafts would pay for the request's next step (under async scheduling it
+        then waits for its token in flight, which its drafts follow)."""
+        return (self.proposer is not None and can_speculate(request.sampling_params)
+                and self._num_drafts(request) > 0)
+
     def _num_drafts(self, request: Request) -> int:
         """Drafts worth proposing for the request's next step: as many as pay for themselves
         in a step of this many decodes (`worthwhile_drafts`, from the step-cost fit, the
@@ -423,7 +432,8 @@ class Scheduler:
         known token (it samples; a draft model then drafts into them), within max_model_len.
         (Never short of it: the slots would cover known tokens not computed yet, and their
         full blocks would be registered in the prefix cache before their K/V is written.)"""
-        if not self.num_lookahead or num_computed + num_new < request.num_tokens:
+        if (not self.num_lookahead or num_computed + num_new < request.num_tokens
+                or request.num_output_placeholders):  # (overlapped: it does not draft)
             return 0
         return max(0, min(self.num_lookahead,
                           self.config.max_model_len - num_computed - num_new))

@@ -167,7 +167,6 @@ class EngineArgs:
             spec = replace(spec, model=str(gguf_model_dir(str(path)) if is_gguf(str(path))
                                            else path))
         self.speculative_config = spec
-        self.async_scheduling = False  # a step's drafts follow the tokens of the step before
 
     def _check_sequence_parallel(self) -> None:
         """What sequence parallelism needs of the other flags (the heads it splits are checked

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
 from helpers.scheduler_scenarios import (
     VOCAB,
     Scenario,
@@ -41,8 +42,7 @@ def speculative_scenarios(draw: st.DrawFn) -> Scenario:
                                  suffix_decoding_max_spec_factor=draw(st.sampled_from([0.5, 1.0,
                                                                                        3.0])),
                                  suffix_decoding_min_token_prob=draw(st.sampled_from([0.0, 0.3])))
-    config = dataclasses.replace(scenario.scheduler_config, async_scheduling=False,
-                                 speculative=spec)
+    config = dataclasses.replace(scenario.scheduler_config, speculative=spec)
     return dataclasses.replace(scenario, scheduler_config=config, token_fn=repeating)
 
 
@@ -75,3 +75,37 @@ def test_drafts_are_accepted_and_rejected_and_counted() -> None:
         preemptions += stats.num_preemptions
     assert 0 < accepted < draft_tokens
     assert preemptions > 0
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["drafts_pay", "drafts_do_not_pay"])
+def test_async_scheduling_overlaps_the_requests_that_do_not_draft(monkeypatch, pays) -> None:
+    """Under async scheduling a request whose drafts pay waits for its token in flight (its
+    drafts follow that token) and speculates; where they do not pay (a compute-bound batch) it
+    is scheduled again with its token in flight, as without speculation. Either way it streams
+    what the model samples (`check_scenario`)."""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts",
+                        lambda k, *_: k if pays else 0)
+    overlapped: list[str] = []
+    original = Scheduler.schedule
+
+    def schedule(self: Scheduler):
+        in_flight = {r.request_id for r in self.running if r.num_output_placeholders}
+        output = original(self)
+        overlapped.extend(set(output.num_scheduled_tokens) & in_flight)
+        return output
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    rng = random.Random(1)
+    specs = tuple(Spec(f"r{i}", tuple(rng.randrange(1, VOCAB) for _ in range(
+        rng.randrange(2, 8))), 0, 0, 16, 0, True, (), None, None) for i in range(3))
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=32, max_model_len=40, async_scheduling=True,
+        speculative=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1,
+                                      prompt_lookup_max=2))
+    scheduler = check_scenario(Scenario(config, CacheConfig(block_size=4, num_blocks=64),
+                                        specs, repeating))
+    drafted = scheduler.make_stats().spec_decode_num_draft_tokens
+    if pays:
+        assert drafted > 0 and not overlapped
+    else:
+        assert drafted == 0 and overlapped

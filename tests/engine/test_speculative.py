@@ -48,9 +48,10 @@ def reference(llama_dir) -> list[list[int]]:
 
 @pytest.mark.parametrize("settings", [
     {},
+    {"async_scheduling": False},
     {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},
     {"num_kv_blocks": 14, "block_size": 8, "max_model_len": 80},
-], ids=["default", "16_token_chunks", "forced_preemption"])
+], ids=["default", "synchronous", "16_token_chunks", "forced_preemption"])
 @pytest.mark.parametrize("method", list(METHODS))
 def test_greedy_is_the_same_with_drafts(llama_dir, reference, settings, method) -> None:
     llm = LLM(llama_dir, dtype="float32", speculative_config=METHODS[method],
