@@ -149,9 +149,6 @@ class EngineArgs:
 
     def _check_speculative_config(self) -> None:
         spec = SpeculativeConfig.from_value(self.speculative_config)
-        if self.kv_transfer_config is not None:
-            raise SpeculativeConfigError("speculative_config does not work with a KV "
-                                         "connector (kv_transfer_config) yet.")
         if spec.runner_drafts:
             if self.world_size > 1:
                 raise SpeculativeConfigError(f"speculative_config.method {spec.method} runs on "

@@ -299,3 +299,26 @@ def test_p2p_consumer_gone_mid_transfer_gives_the_blocks_back_before_the_lease(l
         reply = read_line(again.stream)
         assert not reply["ok"] and "unknown or expired" in reply["error"]
         again.close()
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    "draft_model",
+], ids=["ngram", "draft_model"])
+def test_a_speculating_consumer_decodes_what_hf_does(llama, monkeypatch, spec):
+    """A consumer that speculates: the prompt's K/V comes from the producer, drafts are
+    verified over it (a draft model, here the target itself, has no K/V of the loaded prefix:
+    its drafts there are worse, never wrong); greedy as HF's, every block given back."""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    model_dir, prompts, expected = llama
+    if spec == "draft_model":
+        spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
+    with make_llm(model_dir, p2p("kv_producer", free_port())) as producer, \
+            make_llm(model_dir, p2p("kv_consumer", free_port()),
+                     speculative_config=spec) as consumer:
+        params = prefill(producer, prompts)
+        assert decode(consumer, prompts, params) == expected
+        stats = consumer.stats()
+        assert stats.external_prefix_cache_hits == sum(PROMPT_LENS)
+        assert stats.spec_decode_num_draft_tokens > 0
+        assert stats.kv_cache_usage == 0
