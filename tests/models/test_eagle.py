@@ -110,7 +110,7 @@ def test_a_head_that_predicts_its_target_is_accepted(tmp_path, target) -> None:
     """A target whose layers add nothing (o_proj and down_proj zero: the next token is a
     function of the current one, through the final norm and LM head) and an EAGLE-1 head that
     passes the next token's embedding through: every draft is the target's token, accepted;
-    greedy as without drafts."""
+    greedy as without drafts; random sampling accepts drafts too."""
     from safetensors.torch import load_file, save_file
 
     chain = tmp_path / "chain"
@@ -136,8 +136,15 @@ def test_a_head_that_predicts_its_target_is_accepted(tmp_path, target) -> None:
     with LLM(chain, dtype="float32", max_model_len=128, speculative_config=spec) as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(batch, greedy)] == expected
         stats = llm.stats()
-    assert stats.spec_decode_num_draft_tokens > 20
-    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        assert stats.spec_decode_num_draft_tokens > 20
+        assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+        # random sampling verifies the one-hot drafts by rejection: accepted as often as
+        # the target samples them
+        sampled = llm.generate(batch, SamplingParams(temperature=0.8, max_tokens=20,
+                                                     min_tokens=20))
+        assert all(len(o.outputs[0].token_ids) == 20 for o in sampled)
+        after = llm.stats()
+    assert after.spec_decode_num_accepted_tokens > stats.spec_decode_num_accepted_tokens
 
 
 @pytest.mark.parametrize("variant", [
