@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.spawns  # the benchmark, three servers per setup
-@pytest.mark.parametrize("connector", ["SharedStorageConnector", "P2pConnector"])
+# (P2P only: the other connector's transfers are tested in tests/kv_transfer and
+# tests/server; the benchmark's own code is the same for both)
+@pytest.mark.parametrize("connector", ["P2pConnector"])
 def test_quick_run_reports_both_setups_and_the_transfer(tmp_path, connector):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "disagg.py"), "--quick",

@@ -186,14 +186,14 @@ def test_cpu_forward_long_chunks_match_hf_and_ignore_out_of_window_blocks(window
 TRITON_REQS = [(1, 6), (1, 37), (9, 9), (3, 20), (20, 45)]
 
 
-@pytest.mark.parametrize("soft_cap", [None, 50.0])
-@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,num_splits",
-                         [(16, 2, 2, 1), (64, 8, 2, 2)])
+# (the interpreter takes ~1 s a case: soft-caps on both shapes, not every pair of them)
+@pytest.mark.parametrize("head_dim,num_heads,num_kv_heads,num_splits,soft_cap",
+                         [(16, 2, 2, 1, None), (16, 2, 2, 1, 50.0), (64, 8, 2, 2, 50.0)])
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("window", [1, 2, 7, 33, 1000, None])
+@pytest.mark.parametrize("window", [1, 7, 33, None])
 def test_triton_matches_hf_and_ignores_out_of_window_blocks(window, block_size, head_dim,
-                                                            num_heads, num_kv_heads, soft_cap,
-                                                            num_splits):
+                                                            num_heads, num_kv_heads, num_splits,
+                                                            soft_cap):
     run_triton = triton_attention()
     batch = make_batch(TRITON_REQS, head_dim, num_heads, num_kv_heads, block_size,
                        q_scale=1.0 if soft_cap is None else 12.0)

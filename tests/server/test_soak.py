@@ -1,4 +1,4 @@
-"""Soak: 1,500 completion requests (by default) over loopback HTTP, with random prompt lengths,
+"""Soak: 1,000 completion requests (by default) over loopback HTTP, with random prompt lengths,
 `max_tokens` and `n`, some streamed, some of their clients going away mid-request, at a
 concurrency above `max_num_seqs`, with a KV cache small enough that requests are preempted and
 a token budget small enough that long prompts are prefilled in chunks.
@@ -8,8 +8,9 @@ afterwards the engine is idle with every KV block free, the frontend holds no re
 process's RSS and count of Python objects are back within `RSS_MARGIN_MIB` and
 `MAX_OBJECT_GROWTH` of their levels after a warm-up.
 
-`ASERVE_SOAK_REQUESTS` raises (or lowers) the number of requests; the default (2,000 until the
-suite neared its 15 minutes) keeps the test under a minute on a 2-core machine. The test runs
+`ASERVE_SOAK_REQUESTS` raises (or lowers) the number of requests; the default (2,000, then
+1,500, until the suite neared its 15 minutes) keeps the test near half a minute on a 2-core
+machine. The test runs
 torch on one intra-op thread: with OpenMP's two threads on two cores, any other busy process
 on the machine makes the tiny model's steps spin at barriers, up to ~50x slower, and the
 test's time would measure the neighbours.
@@ -38,7 +39,7 @@ from aserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.spawns  # a uvicorn server on a port
 
-NUM_REQUESTS = int(os.environ.get("ASERVE_SOAK_REQUESTS", "1500"))
+NUM_REQUESTS = int(os.environ.get("ASERVE_SOAK_REQUESTS", "1000"))
 NUM_WARMUP_REQUESTS = 100
 CONCURRENCY = 16  # HTTP requests in flight; each is n (1-3) engine requests
 SEED = 0
