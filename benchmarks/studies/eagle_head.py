@@ -11,10 +11,11 @@ from templates: explanations, lists, poems, code, and some rewrites and conversi
 text (none of them benchmarks/speculative.py's prompts). HF transformers gives the target's
 final normed hidden states h_p of every prompt + reply. The head learns, at each position p,
 h_{p+1} from [embed(x_{p+1}), h_p] (EAGLE-1: fc, then one Llama layer without its input norm,
-initialised from the target's last layer): smooth L1 on the features plus 0.1 x cross-entropy
-of the target's LM head on them against x_{p+2}, with noise on the input features (later
-drafts read the head's own outputs). Held-out replies give the teacher-forced top-1 agreement
-with the target's next token.
+initialised from the target's last layer): smooth L1 on the features (over their standard
+deviation) plus --cls-weight x cross-entropy of the target's LM head on them against x_{p+2},
+with noise on the input features (later drafts read the head's own outputs). The replies and
+features are kept in --out/data.pt for a run with other training settings. Held-out replies
+give the teacher-forced top-1 agreement with the target's next token.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=240)
     p.add_argument("-o", "--output-len", type=int, default=192)
     p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--cls-weight", type=float, default=0.5,
+                   help="weight of the LM head's cross-entropy beside the features' loss")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     from safetensors.torch import save_file
@@ -144,19 +147,30 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     start = time.perf_counter()
-    sequences = generate(args.model, make_prompts(args.prompts, args.seed), args.output_len)
-    generated = time.perf_counter() - start
     hf_dir = hf_dir_of(args.model)
     target = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                   attn_implementation="eager").eval()
     for param in target.parameters():
         param.requires_grad_(False)
-    feats = []
-    with torch.no_grad():  # (not inference mode: the features are training inputs)
-        for seq in sequences:
-            out = target(torch.tensor([seq]), output_hidden_states=True)
-            feats.append(out.hidden_states[-1][0].clone())
-    featured = time.perf_counter() - start - generated
+    data_key = [args.model.name, args.prompts, args.output_len, args.seed]
+    data_path = args.out / "data.pt"  # the replies and features, kept for another run
+    if data_path.exists() and torch.load(data_path, weights_only=True)["key"] == data_key:
+        data = torch.load(data_path, weights_only=True)
+        sequences, feats = data["sequences"], data["feats"]
+        generated = featured = 0.0
+    else:
+        sequences = generate(args.model, make_prompts(args.prompts, args.seed),
+                             args.output_len)
+        generated = time.perf_counter() - start
+        feats = []
+        with torch.no_grad():  # (not inference mode: the features are training inputs)
+            for seq in sequences:
+                out = target(torch.tensor([seq]), output_hidden_states=True)
+                feats.append(out.hidden_states[-1][0].clone())
+        featured = time.perf_counter() - start - generated
+        args.out.mkdir(parents=True, exist_ok=True)
+        torch.save({"key": data_key, "sequences": sequences, "feats": feats}, data_path)
+    start = time.perf_counter()
     held = max(1, len(sequences) // 10)
     train, test = list(range(held, len(sequences))), list(range(held))
     head = Head(target)
@@ -177,11 +191,12 @@ def main(argv: list[str] | None = None) -> int:
             ids, inputs, wanted = seq[1:], h[:-1], h[1:]
             noisy = inputs + torch.randn_like(inputs) * 0.05 * scale
             y = head(ids, noisy)
-            loss = torch.nn.functional.smooth_l1_loss(y, wanted)
+            loss = torch.nn.functional.smooth_l1_loss(y / scale, wanted / scale)
             rows = torch.randperm(len(seq) - 2)[:max(1, (len(seq) - 2) // 4)]  # (the LM head
             # over the vocabulary is most of a step's cost: a quarter of the rows)
             logits = head.lm_head(y[rows])
-            loss = loss + 0.1 * torch.nn.functional.cross_entropy(logits, seq[rows + 2])
+            loss = loss + args.cls_weight * torch.nn.functional.cross_entropy(
+                logits, seq[rows + 2])
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 0.5)
@@ -189,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             schedule.step()
             total += loss.item()
         losses.append(round(total / len(train), 4))
-    trained = time.perf_counter() - start - generated - featured
+    trained = time.perf_counter() - start
     agree = count = 0
     with torch.inference_mode():
         for i in test:

@@ -196,3 +196,14 @@ def test_bad_heads_are_refused(tmp_path, target, heads) -> None:
     with pytest.raises(ValueError, match="lacks 1 weight"):
         LLM(target, dtype="float32", max_model_len=128,
             speculative_config={"method": "eagle3", "model": str(lacking)})
+
+
+def test_the_auxiliary_layers_are_vllms_by_default_or_the_configs() -> None:
+    from aserve.models.eagle import aux_layer_ids
+
+    assert aux_layer_ids({}, 32) == (2, 16, 29)  # Llama-3.1-8B's
+    config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [5, 1, 3]}}
+    assert aux_layer_ids(config, 8) == (1, 3, 5)
+    for bad in ([1, 1, 3], [1, 3, 8], [-1, 2, 3]):
+        with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+            aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": bad}}, 8)
