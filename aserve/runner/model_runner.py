@@ -323,12 +323,11 @@ class ModelRunner:
         output = ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
                                    forward_seconds, step.kv_output, accepted)
         if isinstance(self.drafter, EagleDrafter) and step.draft_model_runs:
-            start = time.perf_counter()
             table = self.block_tables.gather(step.req_ids)[self.drafter.group]
-            output.draft_token_ids, output.draft_passes = self.drafter.propose(
-                states, inputs, accepted, self.drafter.target_hidden(self._target_hidden),
-                table, self.num_kv_groups, step.num_draft_tokens or {})
-            output.draft_seconds = time.perf_counter() - start
+            output.draft_token_ids, output.draft_passes, output.draft_seconds = (
+                self.drafter.propose(states, inputs, accepted,
+                                     self.drafter.target_hidden(self._target_hidden), table,
+                                     self.num_kv_groups, step.num_draft_tokens or {}))
         elif num_sampling and step.num_draft_tokens:
             start = time.perf_counter()
             output.draft_token_ids, output.draft_passes = self._draft(

@@ -20,6 +20,7 @@ drafting. Greedy drafts are one-hot, as vLLM's EAGLE proposer treats them.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,11 +72,16 @@ class EagleDrafter(PagedDrafter):
 
     def propose(self, states: list[CachedRequestState], inputs: PreparedInputs,
                 accepted: dict[str, int], hidden: list[torch.Tensor], table: np.ndarray,
-                num_groups: int, counts: dict[str, int]) -> tuple[dict[str, list[int]], int]:
+                num_groups: int, counts: dict[str, int]
+                ) -> tuple[dict[str, list[int]], int, float]:
         """Pass 1 over the step's rows (`inputs`, after verification: `accepted` drafts a
         request) and the decode passes after it; `table`: the full group's block table of
         `states` (rows in order), `hidden`: `target_hidden`'s. Returns the drafts of each
-        request `counts` asks drafts of (at most its count) and the passes run."""
+        request `counts` asks drafts of (at most its count), and the passes that cost what
+        drafting costs a step with their seconds: pass 1 only where the step decodes (over a
+        prompt's chunk it is part of the prefill, which the head keeps up with anyway), and
+        every decode pass."""
+        start = time.perf_counter()
         num_drafts = dict(inputs.spec_drafts)
         qsl, positions = inputs.query_start_loc, inputs.positions
         rows: list[np.ndarray] = []
@@ -93,7 +99,7 @@ class EagleDrafter(PagedDrafter):
             kept.append(n)
             requests.append(i)
         if not requests:
-            return {}, 0
+            return {}, 0, 0.0
         row_index = np.concatenate(rows)
         query_lens = np.array(kept, dtype=np.int32)
         pos = positions[row_index].astype(np.int64)
@@ -105,13 +111,16 @@ class EagleDrafter(PagedDrafter):
         head_input = self.model.combine([h[index] for h in hidden])
         out, carry = self.model(self._tensor(np.asarray(ids, dtype=np.int64)),
                                 self._tensor(pos), head_input, metadata)
-        passes = 1
+        passes, seconds = 0, 0.0
+        if max(kept) <= 1 + self.k:  # a decode step's pass 1 (one row and its drafts each)
+            passes, seconds = 1, time.perf_counter() - start
+        start = time.perf_counter()
         # the requests that draft, and where: the position of their sampled token
         drafting = [(j, counts[states[i].req_id]) for j, i in enumerate(requests)
                     if counts.get(states[i].req_id, 0) > 0]
         drafts: dict[str, list[int]] = {}
         if not drafting:
-            return drafts, passes
+            return drafts, passes, seconds
         active = [j for j, _ in drafting]
         limit = dict(drafting)
         last = self._tensor(ends[active])
@@ -135,4 +144,4 @@ class EagleDrafter(PagedDrafter):
             passes += 1
             for j in active:
                 where[j] += 1
-        return drafts, passes
+        return drafts, passes, seconds + time.perf_counter() - start

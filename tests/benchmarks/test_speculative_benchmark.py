@@ -48,3 +48,28 @@ def test_speculative_reports_each_configuration_beside_no_drafts(model_dir_facto
         assert 0 <= row["acceptance"] <= 1 and row["tokens_per_verify_step"] >= 1
         assert 0 <= row["same_replies"] <= 3 and row["c2_over_no_drafts"] > 0
     assert "vllm" not in report
+
+
+LLAMA_SERVER = Path("~/.cache/aserve-peers/llamacpp-venv/bin/llama-server").expanduser()
+
+
+@pytest.mark.slow
+@pytest.mark.spawns
+@pytest.mark.skipif(not LLAMA_SERVER.exists(),
+                    reason="llama.cpp is not installed (benchmarks/peers/install.sh llamacpp)")
+def test_the_llamacpp_peer_reports_each_configuration(model_dir_factory, tmp_path):
+    """benchmarks/peers/speculative_llamacpp.py on the tiny GGUF (its own draft model too):
+    a figure and the replies of each configuration."""
+    gguf = write_gguf(model_dir_factory("llama"), tmp_path / "tiny.F16.gguf", "F16")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12]]))
+    done = subprocess.run([sys.executable, "benchmarks/peers/speculative_llamacpp.py",
+                           "--server", str(LLAMA_SERVER), "--model", str(gguf), "--prompts",
+                           str(prompts), "--draft", str(gguf), "-o", "8", "--repeats", "1",
+                           "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for name in ("none", "ngram", "draft_model"):
+        assert report[name]["tok_s"] > 0, report[name]
+        assert [len(r) for r in report[name]["replies"]] == [8, 8]

@@ -55,10 +55,10 @@ def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
     original = EagleDrafter.propose
 
     def propose(self, states, *args):
-        drafts, passes = original(self, states, *args)
+        drafts, passes, seconds = original(self, states, *args)
         by_id = {s.req_id: s for s in states}
         seen.extend((list(by_id[r].all_token_ids), d) for r, d in drafts.items())
-        return drafts, passes
+        return drafts, passes, seconds
 
     monkeypatch.setattr(EagleDrafter, "propose", propose)
     return seen
