@@ -44,6 +44,7 @@ from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.speculation import (
+    ACCEPTANCE_RELAX,
     can_speculate,
     make_proposer,
     max_drafts_before_min_tokens,
@@ -444,6 +445,8 @@ class Scheduler:
         after them. The rejected drafts' positions are rolled back (their K/V slots are
         written again by the steps that compute the real tokens there)."""
         if not drafts:
+            if request.spec_acceptance is not None:  # unmeasured this step: toward the prior
+                request.spec_acceptance += ACCEPTANCE_RELAX * (1.0 - request.spec_acceptance)
             return [token_id]
         request.spec_token_ids = []
         request.num_computed_tokens -= len(drafts) - num_accepted

@@ -205,6 +205,11 @@ def max_drafts_before_min_tokens(num_output_tokens: int, min_tokens: int) -> int
 # if its text starts repeating). A request none of whose drafts were verified yet counts as
 # accepting all: it drafts as much as pays once, and its own rate decides from then on.
 MIN_ACCEPTANCE = 0.1
+# A step that verifies none of a request's drafts moves its acceptance estimate this far back
+# toward the prior (1): a request that stopped drafting on a bad start (a draft model or head
+# whose passes cost enough that a low estimate never pays) drafts again within a few steps,
+# and its verifications decide anew.
+ACCEPTANCE_RELAX = 0.1
 
 
 def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None,

@@ -81,7 +81,7 @@ class EagleDrafter(PagedDrafter):
         drafting costs a step with their seconds: pass 1 only where the step decodes (over a
         prompt's chunk it is part of the prefill, which the head keeps up with anyway), and
         every decode pass."""
-        start = time.perf_counter()
+        began = time.perf_counter()
         num_drafts = dict(inputs.spec_drafts)
         qsl, positions = inputs.query_start_loc, inputs.positions
         rows: list[np.ndarray] = []
@@ -113,8 +113,8 @@ class EagleDrafter(PagedDrafter):
                                 self._tensor(pos), head_input, metadata)
         passes, seconds = 0, 0.0
         if max(kept) <= 1 + self.k:  # a decode step's pass 1 (one row and its drafts each)
-            passes, seconds = 1, time.perf_counter() - start
-        start = time.perf_counter()
+            passes, seconds = 1, time.perf_counter() - began
+        began = time.perf_counter()
         # the requests that draft, and where: the position of their sampled token
         drafting = [(j, counts[states[i].req_id]) for j, i in enumerate(requests)
                     if counts.get(states[i].req_id, 0) > 0]
@@ -144,4 +144,4 @@ class EagleDrafter(PagedDrafter):
             passes += 1
             for j in active:
                 where[j] += 1
-        return drafts, passes, seconds + time.perf_counter() - start
+        return drafts, passes, seconds + time.perf_counter() - began

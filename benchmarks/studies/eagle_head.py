@@ -15,8 +15,9 @@ initialised from the target's last layer): cross-entropy of the target's LM head
 against the target's own greedy token at p + 2 (distilled: the prompts' positions too) plus
 --reg-weight x smooth L1 on the features, with noise on the input features (later drafts read
 the head's own outputs). The replies and
-features are kept in --out/data.pt for a run with other training settings. Held-out replies
-give the teacher-forced top-1 agreement with the target's next token.
+features are kept in --out/data.pt for a run with other training settings. Held-out sequences
+give the teacher-forced top-1 agreement with the target's next token, over every position and
+over the replies' alone (the chat template's system prompt, the same in every prompt, is easy).
 """
 
 from __future__ import annotations
@@ -73,17 +74,23 @@ def make_prompts(count: int, seed: int) -> list[str]:
     return prompts
 
 
-def generate(model: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """prompt + greedy reply token ids of each prompt, through the model's chat template."""
+def chat_ids(model: Path, prompts: list[str]) -> list[list[int]]:
+    """Each prompt's token ids through the model's chat template."""
     from transformers import AutoTokenizer
 
-    from aserve import LLM, SamplingParams
     from aserve.quantization.gguf_file import gguf_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(model))
-    ids = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}],
-                                                   add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)["input_ids"] for p in prompts]
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                    add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+def generate(model: Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """prompt + greedy reply token ids of each prompt, through the model's chat template."""
+    from aserve import LLM, SamplingParams
+
+    ids = chat_ids(model, prompts)
     with LLM(str(model), dtype="bfloat16") as llm:
         outs = llm.generate([{"prompt_token_ids": x} for x in ids],
                             SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -207,14 +214,19 @@ def main(argv: list[str] | None = None) -> int:
             total += loss.item()
         losses.append(round(total / len(train), 4))
     trained = time.perf_counter() - start
-    agree = count = 0
+    prompt_lens = [len(x) for x in chat_ids(args.model, make_prompts(args.prompts, args.seed))]
+    agree = count = reply_agree = reply_count = 0
     with torch.inference_mode():
         for i in test:
             seq, h = torch.tensor(sequences[i]), feats[i]
             predicted = head.lm_head(head(seq[1:], h[:-1])[:-1]).argmax(-1)
             actual = target.lm_head(h[1:-1]).argmax(-1)  # the target's own next tokens
-            agree += int((predicted == actual).sum())
+            same = predicted == actual  # row p: the token at p + 2
+            agree += int(same.sum())
             count += len(actual)
+            reply = same[max(0, prompt_lens[i] - 2):]  # (the chat template's system prompt,
+            reply_agree += int(reply.sum())  # the same in every prompt, is easy)
+            reply_count += len(reply)
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in target.config.to_dict().items()
               if k not in ("gguf", "architectures", "num_hidden_layers", "dtype", "torch_dtype")}
@@ -225,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                       "sequences": len(sequences), "tokens": sum(map(len, sequences)),
                       "epochs": args.epochs, "loss_by_epoch": losses,
                       "heldout_top1_agreement": round(agree / max(1, count), 3),
+                      "heldout_reply_top1_agreement": round(reply_agree / max(1, reply_count),
+                                                            3),
                       "seconds": {"generate": round(generated, 1),
                                   "features": round(featured, 1),
                                   "train": round(trained, 1)}}), flush=True)
