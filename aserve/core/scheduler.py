@@ -387,10 +387,15 @@ class Scheduler:
         return self.draft_pass_seconds / fit[1] if fit is not None and fit[1] > 0 else 0.0
 
     def _drafting_pays(self) -> bool:
-        """Whether a first draft, even one always accepted, pays at this batch size: the
-        draft model keeps its K/V while it does, and rests while it does not (a batch
-        compute-bound beside the draft model's passes)."""
-        return worthwhile_drafts(1, 1.0, self.step_cost.fixed_cost_tokens(),
+        """Whether a first draft pays at this batch size for the running request likeliest
+        to have it accepted (its acceptance estimate; 1 before its first verification): the
+        draft model keeps its K/V while one does, and rests while none does (a batch
+        compute-bound beside the draft model's passes, or drafts that are rarely accepted;
+        the estimates drift back toward 1 while nothing is verified, `ACCEPTANCE_RELAX`, so
+        it runs again to measure them)."""
+        best = max((1.0 if r.spec_acceptance is None else r.spec_acceptance
+                    for r in self.running), default=1.0)
+        return worthwhile_drafts(1, best, self.step_cost.fixed_cost_tokens(),
                                  len(self.running), self._pass_tokens()) > 0
 
     def _would_draft(self, request: Request) -> bool:

@@ -209,7 +209,7 @@ MIN_ACCEPTANCE = 0.1
 # toward the prior (1): a request that stopped drafting on a bad start (a draft model or head
 # whose passes cost enough that a low estimate never pays) drafts again within a few steps,
 # and its verifications decide anew.
-ACCEPTANCE_RELAX = 0.1
+ACCEPTANCE_RELAX = 0.02
 
 
 def worthwhile_drafts(k: int, acceptance: float, fixed_cost_tokens: float | None,

@@ -110,7 +110,8 @@ def test_drafting_stops_when_steps_are_compute_bound(num_requests: int,
                                                      drafts_late: bool) -> None:
     """Steps cost 10 ms + 1 ms a token (F = 10 tokens), drafts are accepted about half the
     time: one stream keeps drafting, forty streams stop once the fit and their acceptance
-    are known (a draft pays while acceptance^j (F + D) > D: 0.5 < 40 / 50)."""
+    are known (a draft pays while acceptance^j (F + D) > D: 0.5 < 40 / 50), but for a rare
+    probe (`ACCEPTANCE_RELAX`: an estimate drifts back toward 1 while nothing is verified)."""
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512, max_model_len=200,
                              speculative=SpeculativeConfig(num_speculative_tokens=3,
                                                            prompt_lookup_min=1))
@@ -120,15 +121,19 @@ def test_drafting_stops_when_steps_are_compute_bound(num_requests: int,
     for i in range(num_requests):
         scheduler.add_request(Request(f"r{i}", [1 + i % 7, 2, 3], SamplingParams(
             temperature=0.0, max_tokens=60, ignore_eos=True)))
-    late_drafts = 0
+    late_drafts = late_decodes = 0
     for step in range(200):
         if not scheduler.has_unfinished_requests():
             break
         output, _ = runner.step()
         if step >= 20:
             late_drafts += sum(map(len, output.scheduled_spec_decode_tokens.values()))
+            late_decodes += len(output.num_scheduled_tokens)
     assert not scheduler.has_unfinished_requests()
-    assert (late_drafts > 0) == drafts_late
+    if drafts_late:
+        assert late_drafts > 0
+    else:  # a probe now and then: an estimate drifts back toward 1 while unmeasured
+        assert late_drafts < 0.01 * late_decodes
     assert all(len(tokens) == 60 for tokens in runner.streamed.values())
 
 
