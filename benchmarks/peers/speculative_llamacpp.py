@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """llama.cpp's speculative decoding on benchmarks/speculative.py's prompts: `llama-server` on the
 same GGUF file, one slot, every core, the prompts (token ids, from --prompts, a JSON list) one
-at a time, greedy, --output-len tokens at most, without drafts, with its n-gram lookup
-(`--spec-type ngram-simple`, k drafts) and, with --draft, with that GGUF as its draft model
-(k drafts). After a short warm-up, the best of --repeats runs each. Prints one JSON line: per
-configuration output tok/s (tokens over the wall time of the requests, prefill included, as
-aserve's figure), the replies' token ids, and llama.cpp's own draft counts where it reports
-them.
+at a time, greedy, --output-len tokens at most: without drafts; with its n-gram lookup
+(`--spec-type ngram-simple`, --ngram-n tokens looked up, k drafts); and, with --draft, with
+that GGUF as its draft model (`--spec-type draft-simple`, k drafts). After a short warm-up, the
+best of --repeats runs each. Prints one JSON line: per configuration output tok/s (tokens over
+the wall time of the requests, prefill included, as aserve's figure), the replies' token ids,
+and llama.cpp's own draft counts.
 
     python benchmarks/peers/speculative_llamacpp.py \\
         --server ~/.cache/aserve-peers/llamacpp-venv/bin/llama-server \\
@@ -94,6 +94,9 @@ def main() -> int:
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("-k", type=int, default=3, help="drafts a step")
+    ap.add_argument("--ngram-n", type=int, default=3,
+                    help="the n-gram lookup's length (llama.cpp's default 12; aserve's "
+                         "benchmark looks up 5 down to 2)")
     ap.add_argument("-o", "--output-len", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workdir", default="/tmp")
@@ -101,9 +104,11 @@ def main() -> int:
     with open(args.prompts) as f:
         prompts = json.load(f)
     k = ["--spec-draft-n-max", str(args.k)]
-    configs = {"none": [], "ngram": ["--spec-type", "ngram-simple", *k]}
+    configs = {"none": [], "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n",
+                                     str(args.ngram_n), "--spec-ngram-simple-size-m",
+                                     str(args.k), *k]}
     if args.draft is not None:
-        configs["draft_model"] = ["-md", str(args.draft), *k]
+        configs["draft_model"] = ["--spec-type", "draft-simple", "-md", str(args.draft), *k]
     result = {}
     for name, flags in configs.items():
         try:

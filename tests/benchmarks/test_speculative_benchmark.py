@@ -73,3 +73,5 @@ def test_the_llamacpp_peer_reports_each_configuration(model_dir_factory, tmp_pat
     for name in ("none", "ngram", "draft_model"):
         assert report[name]["tok_s"] > 0, report[name]
         assert [len(r) for r in report[name]["replies"]] == [8, 8]
+    assert report["none"]["draft_tokens"] == 0  # (llama.cpp's lookup finds nothing to draft
+    assert report["draft_model"]["draft_tokens"] > 0  # on the tiny model's replies)
