@@ -206,7 +206,11 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (self.embed_tokens or self._target[0])(input_ids)
+        """The head's token embedding: its own, or the target's table unscaled (a Gemma
+        target scales its rows in the model, not in the table, as vLLM's heads read it)."""
+        if self.embed_tokens is not None:
+            return self.embed_tokens(input_ids)
+        return VocabEmbedding.forward(self._target[0], input_ids)
 
     def combine(self, target_hidden: list[torch.Tensor]) -> torch.Tensor:
         """The target's hidden states of a row (EAGLE-1: its final hidden; EAGLE-3: its

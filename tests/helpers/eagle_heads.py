@@ -155,7 +155,8 @@ class EagleReference:
         own = self.weights.get("embed_tokens.weight")
         if own is not None and self.version == 3:
             return own[ids]
-        return self.target.model.embed_tokens(ids)
+        return self.target.model.embed_tokens.weight[ids]  # the table unscaled (vLLM's heads
+        # read a Gemma target's embedding before its scale; HF scales inside the module)
 
     @torch.no_grad()
     def _head(self, ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

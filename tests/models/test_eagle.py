@@ -91,6 +91,30 @@ def test_drafts_equal_the_reference_and_greedy_equals_hf(monkeypatch, target, he
         assert drafts == reference.drafts(tokens, K)[:len(drafts)], tokens
 
 
+def test_beside_a_hybrid_gemma2_target(monkeypatch, tmp_path, model_dir_factory) -> None:
+    """Gemma-2 (sliding and full layers, a scaled embedding, soft-caps): the head binds the
+    full-attention group and reads the target's residual streams; drafts as the reference,
+    greedy as HF. (It reads the embedding table unscaled, as vLLM's heads do; EAGLE-3's input
+    norm makes the scale moot here.)"""
+    from helpers.hf_models import SLIDING_CASES
+
+    arch, overrides = SLIDING_CASES["gemma2"]
+    gemma = model_dir_factory(arch, **{**overrides, "num_hidden_layers": 4})
+    head = make_eagle_head(tmp_path / "head", gemma, 3, seed=5, aux_ids=AUX)
+    seen = record_drafts(monkeypatch)
+    expected = hf_greedy(gemma, prompts(), 16)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    with LLM(gemma, dtype="float32", max_model_len=256, block_size=8,
+             speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                            SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    reference = EagleReference(gemma, head, 3, AUX)
+    assert len(seen) >= 10
+    for tokens, drafts in seen:
+        assert drafts == reference.drafts(tokens, K)[:len(drafts)]
+
+
 def test_greedy_with_prefix_hits_equals_hf(target, heads) -> None:
     """The head's K/V of a cached prefix is the request's that computed it: greedy as HF."""
     shared = prompts()[3]
