@@ -54,6 +54,7 @@ from aserve.core.step_cost import StepCostModel, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
 
 PROPOSE_SECONDS = 0.005  # a step's budget for proposing drafts (speculative decoding)
+PRIOR_DRAFT_TOKENS = 64  # verified drafts before their rate is a new request's prior
 
 
 class Scheduler:
@@ -393,10 +394,20 @@ class Scheduler:
         compute-bound beside the draft model's passes, or drafts that are rarely accepted;
         the estimates drift back toward 1 while nothing is verified, `ACCEPTANCE_RELAX`, so
         it runs again to measure them)."""
-        best = max((1.0 if r.spec_acceptance is None else r.spec_acceptance
-                    for r in self.running), default=1.0)
+        prior = self._prior_acceptance()
+        best = max((prior if r.spec_acceptance is None else r.spec_acceptance
+                    for r in self.running), default=prior)
         return worthwhile_drafts(1, best, self.step_cost.fixed_cost_tokens(),
                                  len(self.running), self._pass_tokens()) > 0
+
+    def _prior_acceptance(self) -> float:
+        """What a request none of whose drafts were verified yet is taken to accept: every
+        request's rate so far, once `PRIOR_DRAFT_TOKENS` drafts were verified (a drafter
+        whose drafts are rarely accepted then keeps new requests from waiting to draft), else
+        all of them."""
+        if self.spec_num_draft_tokens < PRIOR_DRAFT_TOKENS:
+            return 1.0
+        return sum(self.spec_accepted_per_pos) / self.spec_num_draft_tokens
 
     def _would_draft(self, request: Request) -> bool:
         """Whether drafts would pay for the request's next step (under async scheduling it
@@ -412,7 +423,8 @@ class Scheduler:
         samples anyway."""
         room = min(request.max_tokens - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens,
-                   worthwhile_drafts(self.proposer.k, 1.0 if request.spec_acceptance is None
+                   worthwhile_drafts(self.proposer.k, self._prior_acceptance()
+                                     if request.spec_acceptance is None
                                      else request.spec_acceptance,
                                      self.step_cost.fixed_cost_tokens(), len(self.running),
                                      self._pass_tokens()) + 1) - 1

@@ -177,3 +177,26 @@ def test_proposing_stops_at_the_steps_time_budget(monkeypatch) -> None:
     with_drafts, drafted = run(1.0)
     without, none = run(0.0)
     assert drafted > 0 and none == 0 and without == with_drafts
+
+
+def test_a_new_request_starts_from_every_requests_rate_once_there_is_one() -> None:
+    """Before any verification a request is taken to accept all of its drafts; once 64
+    drafts were verified, it starts from their rate: a drafter whose drafts are rarely
+    accepted keeps new requests from drafting (and, under async scheduling, from waiting to
+    draft), a good one does not."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                             speculative=SpeculativeConfig(num_speculative_tokens=3,
+                                                           prompt_lookup_min=1))
+    scheduler = Scheduler(config, CacheConfig(block_size=4, num_blocks=64))
+    for n in range(1, 40):  # a step costs 4 ms + 0.5 ms a token: F = 8
+        scheduler.step_cost.record(n, 0.004 + 0.0005 * n)
+    requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
+                for i in range(4)]
+    scheduler.running = list(requests)  # four decoding: a draft pays while α (8 + 4) > 4
+    assert scheduler._num_drafts(requests[0]) > 0  # nothing verified yet: α = 1
+    scheduler.spec_num_draft_tokens, scheduler.spec_accepted_per_pos = 100, [4, 0, 0]
+    assert scheduler._num_drafts(requests[0]) == 0 and not scheduler._drafting_pays()
+    scheduler.spec_accepted_per_pos = [50, 20, 10]
+    assert scheduler._num_drafts(requests[0]) > 0 and scheduler._drafting_pays()
+    requests[0].spec_acceptance = 0.05  # its own rate, once it has one, decides
+    assert scheduler._num_drafts(requests[0]) == 0
