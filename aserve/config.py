@@ -180,6 +180,16 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DraftConfig:
+    """What every rank builds for a speculative method whose drafts its runner proposes
+    (`SpeculativeConfig.runner_drafts`): the draft model or EAGLE head and k."""
+
+    model: ModelConfig
+    method: str  # draft_model | eagle | eagle3
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the engine needs to know about a loaded model, handed up by the executor."""
 

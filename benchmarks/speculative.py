@@ -254,28 +254,23 @@ def main(argv: list[str] | None = None) -> int:
             f"c{args.batch}_tok_s": round(batch[name], 1),
             f"c{args.batch}_over_no_drafts": round(batch[name] / batch["none"], 3),
             f"c{args.batch}_draft_tokens": min(x["batch_draft_tokens"] for x in runs[name])}
-    if args.vllm_venv is not None:
-        result["vllm"] = vllm = run_vllm(args)
-        for run in vllm.values():  # its replies beside aserve's without drafts
+    ours = {"none": result["no_drafts_tok_s"], "ngram_k3": result.get("ngram_k3", {}).get("tok_s"),
+            "draft_model": result.get("draft_model", {}).get("tok_s")}
+    peers = {"vllm": (args.vllm_venv, run_vllm, {"ngram_k3": "ngram_k3"}),
+             "llamacpp": (args.llamacpp, run_llamacpp,
+                          {"none": "none", "ngram": "ngram_k3", "draft_model": "draft_model"})}
+    for peer, (wanted, run_peer, pairs) in peers.items():
+        if wanted is None:
+            continue
+        result[peer] = runs = run_peer(args)
+        for run in runs.values():  # its replies beside aserve's without drafts
             if isinstance(run, dict) and "replies" in run:
                 run["same_replies_as_aserve"] = sum(
                     a == b for a, b in zip(run.pop("replies"), none["replies"]))
-        if "tok_s" in vllm.get("ngram_k3", {}) and "ngram_k3" in result:
-            result["aserve_over_vllm_ngram_k3"] = round(
-                result["ngram_k3"]["tok_s"] / vllm["ngram_k3"]["tok_s"], 3)
-    if args.llamacpp is not None:
-        result["llamacpp"] = peer = run_llamacpp(args)
-        for run in peer.values():  # its replies beside aserve's without drafts
-            if isinstance(run, dict) and "replies" in run:
-                run["same_replies_as_aserve"] = sum(
-                    a == b for a, b in zip(run.pop("replies"), none["replies"]))
-        pairs = {"none": ("no_drafts_tok_s", None), "ngram": ("ngram_k3", "tok_s"),
-                 "draft_model": ("draft_model", "tok_s")}
-        for name, (ours, field) in pairs.items():
-            theirs = peer.get(name, {}).get("tok_s")
-            mine = result.get(ours) if field is None else result.get(ours, {}).get(field)
-            if theirs and mine:
-                result[f"aserve_over_llamacpp_{name}"] = round(mine / theirs, 3)
+        for theirs, mine in pairs.items():
+            if runs.get(theirs, {}).get("tok_s") and ours[mine]:
+                result[f"aserve_over_{peer}_{theirs}"] = round(
+                    ours[mine] / runs[theirs]["tok_s"], 3)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from aserve.config import (
     MOE_COMBINES,
     CacheConfig,
+    DraftConfig,
     KVCacheGroupSpec,
     KVTransferConfig,
     ModelConfig,
@@ -155,14 +156,14 @@ class EngineArgs:
                                              "one rank only yet (tensor, pipeline and sequence "
                                              "parallel size 1).")
             path = Path(spec.model).expanduser()
-            if spec.method != "draft_model" and not (path / "config.json").is_file():
+            gguf = spec.method == "draft_model" and is_gguf(str(path))
+            if not (gguf or (path / "config.json").is_file()):
+                wanted = ("a model directory (config.json) or a GGUF file"
+                          if spec.method == "draft_model"
+                          else "an EAGLE head's directory (config.json)")
                 raise SpeculativeConfigError(f"speculative_config.model {spec.model!r} is not "
-                                             "an EAGLE head's directory (config.json).")
-            if not (is_gguf(str(path)) or (path / "config.json").is_file()):
-                raise SpeculativeConfigError(f"speculative_config.model {spec.model!r} is not "
-                                             "a model directory (config.json) or a GGUF file.")
-            spec = replace(spec, model=str(gguf_model_dir(str(path)) if is_gguf(str(path))
-                                           else path))
+                                             f"{wanted}.")
+            spec = replace(spec, model=str(gguf_model_dir(str(path)) if gguf else path))
         self.speculative_config = spec
 
     def _check_sequence_parallel(self) -> None:
@@ -192,12 +193,11 @@ class EngineArgs:
         spec = self.speculative_config
         draft = None
         if spec is not None and spec.runner_drafts:
-            draft = ModelConfig(model=spec.model, dtype=self.dtype, seed=self.seed,
-                                dequantize=self.dequantize)
+            draft = DraftConfig(ModelConfig(model=spec.model, dtype=self.dtype, seed=self.seed,
+                                            dequantize=self.dequantize),
+                                spec.method, spec.num_speculative_tokens)
         return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
-                          self.max_num_seqs, self.kv_transfer_config, draft,
-                          spec.num_speculative_tokens if draft is not None else 0,
-                          spec.method if draft is not None else "draft_model")
+                          self.max_num_seqs, self.kv_transfer_config, draft)
 
     def rank_layout(self) -> RankLayout:
         """pp × sp × tp ranks over `nnodes` nodes."""

@@ -36,8 +36,9 @@ class LLM:
     sequence_parallel_size, kv_transfer_config (a KV connector for disaggregated prefill:
     vLLM's keys, as a dict or its JSON text; a request's
     `SamplingParams.kv_transfer_params` then reaches it, and the producer's answer comes back
-    in `RequestOutput.kv_transfer_params`), speculative_config (n-gram or suffix drafts:
-    vLLM's keys, as a dict or its JSON text; `stats()` counts the drafts). With several
+    in `RequestOutput.kv_transfer_params`), speculative_config (n-gram or suffix drafts, a
+    draft model or an EAGLE head: vLLM's keys, as a dict or its JSON text; `stats()` counts
+    the drafts). With several
     ranks, `shutdown()` (or leaving a `with` block) stops them; they are also stopped when the
     interpreter exits.
     """

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from aserve.config import DistributedConfig, KVTransferConfig, ModelConfig
+from aserve.config import DistributedConfig, DraftConfig, KVTransferConfig, ModelConfig
 
 if TYPE_CHECKING:
     from aserve.core.kv_connector import KVConnectorOutput
@@ -37,11 +37,8 @@ class WorkerSpec:
     enforce_eager: bool = False
     max_num_seqs: int = 256
     kv_transfer_config: KVTransferConfig | None = None  # each rank builds a worker side
-    # speculative decoding's draft model (or EAGLE head: `draft_method`) and its drafts a
-    # step (runner/spec_draft.py, runner/spec_eagle.py)
-    draft_model: ModelConfig | None = None
-    num_draft_tokens: int = 0
-    draft_method: str = "draft_model"
+    # speculative decoding's draft model or EAGLE head (runner/spec_draft.py, spec_eagle.py)
+    draft: DraftConfig | None = None
 
     def build(self, distributed: DistributedConfig | None = None,
               publish_inputs: Callable[[PreparedInputs | None, Any], None] | None = None,
@@ -59,8 +56,7 @@ class WorkerSpec:
                       distributed=distributed, publish_inputs=publish_inputs,
                       kv_transfer_config=self.kv_transfer_config,
                       gather_kv_reports=gather_kv_reports,
-                      draft_model=self.draft_model, num_draft_tokens=self.num_draft_tokens,
-                      draft_method=self.draft_method)
+                      draft=self.draft)
 
 
 @dataclass(frozen=True)

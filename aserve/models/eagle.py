@@ -40,12 +40,12 @@ from aserve.layers.linear import QKVParallelLinear, ReplicatedLinear, load_into
 from aserve.layers.norm import RMSNorm
 from aserve.layers.rotary import get_rope
 from aserve.models.arch_config import ModelArchConfig
+from aserve.models.causal_lm import CausalLM
 from aserve.models.llama import LlamaDecoderLayer
+from aserve.models.loader import packed_target
 
 EAGLE_METHODS = ("eagle", "eagle3")
-_PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
-           "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
-           "up_proj": ("gate_up_proj", 1)}
+_PACKED = CausalLM.packed_modules  # checkpoint q/k/v, gate/up -> the packed projections
 
 
 def read_eagle_checkpoint(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -179,11 +179,7 @@ class EagleHead(nn.Module):
                                      f"its draft vocabulary {self.draft_vocab_size}.")
                 self.d2t.copy_(tensor.to(torch.long))
                 continue
-            shard = None
-            for module, (packed, shard_id) in _PACKED.items():
-                if f".{module}." in name:
-                    name, shard = name.replace(f".{module}.", f".{packed}."), shard_id
-                    break
+            name, shard = packed_target(name, _PACKED)
             if name not in params:
                 continue  # t2d, a shared embedding EAGLE-1 does not use, rotary buffers
             try:

@@ -67,7 +67,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu",
         dtype = quantized_float16_as
         logger.info("a quantized checkpoint runs in %s on this platform (config.json says "
                     "float16; --dtype float16 keeps it)", str(dtype).removeprefix("torch."))
-    with _default_dtype(dtype), torch.device(device):
+    with default_dtype(dtype), torch.device(device):
         model = model_cls(arch)
     quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
@@ -173,7 +173,8 @@ def resolve_dtype(name: str, arch: ModelArchConfig) -> torch.dtype:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build under `dtype` as torch's default (parameters made empty take it)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -205,8 +206,8 @@ def _renamed(name: str, prefixes: dict[str, str | None]) -> str | None:
     return name
 
 
-def _target(name: str, packed: dict[str, tuple[str, str | int]]
-            ) -> tuple[str, str | int | None]:
+def packed_target(name: str, packed: dict[str, tuple[str, str | int]]
+                  ) -> tuple[str, str | int | None]:
     """Checkpoint name -> (parameter name, shard id or None)."""
     for module, (packed_module, shard_id) in packed.items():
         if f".{module}." in name:
@@ -278,7 +279,7 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
                     if keep_integers and expert[2] is not None:  # one expert's whole tensor
                         _keep_int_source(params[expert[0]], f, stored, expert[1:])
                     continue
-                target, shard_id = _target(name, packed)
+                target, shard_id = packed_target(name, packed)
                 if target not in params:
                     unexpected.append(name)
                     continue

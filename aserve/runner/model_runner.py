@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from aserve.backends import Platform
-from aserve.config import KVCacheGroupSpec, ModelConfig
+from aserve.config import DraftConfig, KVCacheGroupSpec, ModelConfig
 from aserve.core.kv_connector import KVConnectorOutput
 from aserve.core.outputs import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import (
@@ -99,8 +99,7 @@ class ModelRunner:
                  device: torch.device,
                  publish_inputs: Callable[..., None] | None = None,
                  gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
-                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0,
-                 draft_method: str = "draft_model") -> None:
+                 draft: DraftConfig | None = None) -> None:
         self.platform = platform
         self.device = device
         self.block_size = block_size
@@ -132,12 +131,12 @@ class ModelRunner:
         # speculative decoding's draft model (`spec_draft.py`) or EAGLE head (`spec_eagle.py`);
         # None: drafts, if any, come from the scheduler's lookups
         self.drafter: DraftModel | EagleDrafter | None = None
-        if draft_model is not None and draft_method == "draft_model":
-            self.drafter = DraftModel(draft_model, platform, device, self.vocab_size,
-                                      num_draft_tokens)
-        elif draft_model is not None:
-            self.drafter = EagleDrafter(draft_model, draft_method, self.model, platform, device,
-                                        num_draft_tokens)
+        if draft is not None and draft.method == "draft_model":
+            self.drafter = DraftModel(draft.model, platform, device, self.vocab_size,
+                                      draft.num_tokens)
+        elif draft is not None:
+            self.drafter = EagleDrafter(draft.model, draft.method, self.model, platform, device,
+                                        draft.num_tokens)
         self._target_hidden: torch.Tensor | None = None  # the last forward's, for EAGLE
 
     @property

@@ -31,6 +31,7 @@ from aserve.backends import Platform
 from aserve.config import ModelConfig
 from aserve.layers import bind_ops
 from aserve.models.eagle import EagleHead, aux_layer_ids, read_eagle_checkpoint
+from aserve.models.loader import default_dtype
 from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.spec_draft import PagedDrafter
@@ -43,13 +44,8 @@ class EagleDrafter(PagedDrafter):
         config, tensors = read_eagle_checkpoint(Path(model_config.model))
         version = 3 if method == "eagle3" else 1
         dtype = target.arch.dtype
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                head = EagleHead(config, version, target, "embed_tokens.weight" in tensors)
-        finally:
-            torch.set_default_dtype(old)
+        with default_dtype(dtype), torch.device(device):
+            head = EagleHead(config, version, target, "embed_tokens.weight" in tensors)
         head.load({name: t.to(dtype) if t.is_floating_point() else t
                    for name, t in tensors.items()})
         self.model = head.eval()

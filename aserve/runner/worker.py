@@ -17,7 +17,13 @@ from dataclasses import replace
 import torch
 
 from aserve.backends import Platform, set_platform
-from aserve.config import KVCacheGroupSpec, KVTransferConfig, ModelConfig, ModelInfo
+from aserve.config import (
+    DraftConfig,
+    KVCacheGroupSpec,
+    KVTransferConfig,
+    ModelConfig,
+    ModelInfo,
+)
 from aserve.core.kv_connector import KVConnectorOutput
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from aserve.distributed import (
@@ -48,8 +54,7 @@ class Worker:
                  publish_inputs: Callable[..., None] | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
                  gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
-                 draft_model: ModelConfig | None = None, num_draft_tokens: int = 0,
-                 draft_method: str = "draft_model") -> None:
+                 draft: DraftConfig | None = None) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
@@ -62,8 +67,7 @@ class Worker:
         self.model_config = model_config
         self.block_size = block_size
         self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
-                                  publish_inputs, gather_kv_reports, draft_model,
-                                  num_draft_tokens, draft_method)
+                                  publish_inputs, gather_kv_reports, draft)
         self.kv_transfer_config = kv_transfer_config
         arch = self.runner.arch
         self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,
