@@ -24,10 +24,12 @@ from aserve.distributed.state import (
     get_sp_size,
     get_tp_rank,
     get_tp_size,
+    is_first_rank,
     set_ep,
     set_pp,
     set_sp,
     set_tp,
+    single_rank,
     stage_layers,
     tp_all_gather,
     tp_all_reduce,
@@ -35,9 +37,8 @@ from aserve.distributed.state import (
 
 __all__ = [
     "DistributedConfig", "expert_range", "flush_sends", "get_ep_rank", "get_ep_size",
-    "get_moe_combine", "get_pp_rank", "get_pp_size", "get_sp_rank", "get_sp_size",
-    "get_tp_rank", "get_tp_size", "init_distributed", "recv_control", "recv_from_stage",
-    "send_control", "send_to_first_rank", "send_to_stage", "set_ep", "set_pp", "set_sp",
-    "set_tp", "shutdown_distributed", "stage_layers", "tp_all_gather",
-    "tp_all_reduce",
+    "get_moe_combine", "get_pp_rank", "get_pp_size", "get_sp_rank", "get_sp_size", "get_tp_rank",
+    "get_tp_size", "init_distributed", "is_first_rank", "recv_control", "recv_from_stage",
+    "send_control", "send_to_first_rank", "send_to_stage", "set_ep", "set_pp", "set_sp", "set_tp",
+    "shutdown_distributed", "single_rank", "stage_layers", "tp_all_gather", "tp_all_reduce",
 ]

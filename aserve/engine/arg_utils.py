@@ -151,10 +151,6 @@ class EngineArgs:
     def _check_speculative_config(self) -> None:
         spec = SpeculativeConfig.from_value(self.speculative_config)
         if spec.runner_drafts:
-            if self.world_size > 1:
-                raise SpeculativeConfigError(f"speculative_config.method {spec.method} runs on "
-                                             "one rank only yet (tensor, pipeline and sequence "
-                                             "parallel size 1).")
             path = Path(spec.model).expanduser()
             gguf = spec.method == "draft_model" and is_gguf(str(path))
             if not (gguf or (path / "config.json").is_file()):

@@ -48,13 +48,18 @@ EAGLE_METHODS = ("eagle", "eagle3")
 _PACKED = CausalLM.packed_modules  # checkpoint q/k/v, gate/up -> the packed projections
 
 
-def read_eagle_checkpoint(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """config.json and the tensors of an EAGLE head's directory (names without `model.`)."""
+def read_eagle_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of an EAGLE head's directory."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"config.json not found in the EAGLE head's directory "
                                 f"{model_dir}.")
-    config = json.loads(config_path.read_text())
+    return json.loads(config_path.read_text())
+
+
+def read_eagle_checkpoint(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """config.json and the tensors of an EAGLE head's directory (names without `model.`)."""
+    config = read_eagle_config(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     if files:
@@ -69,6 +74,13 @@ def read_eagle_checkpoint(model_dir: Path) -> tuple[dict[str, Any], dict[str, to
         for path in bins:
             tensors.update(torch.load(path, map_location="cpu", weights_only=True))
     return config, {name.removeprefix("model."): t for name, t in tensors.items()}
+
+
+def uses_aux_hidden(config: dict[str, Any], version: int) -> bool:
+    """Whether the head's fc reads three of the target's residual streams (EAGLE-3's default)
+    rather than its final hidden states."""
+    return version == 3 and bool((config.get("eagle_config") or {}).get("use_aux_hidden_state",
+                                                                         True))
 
 
 def aux_layer_ids(config: dict[str, Any], target_layers: int) -> tuple[int, ...]:
@@ -144,8 +156,7 @@ class EagleHead(nn.Module):
             if source != target_hidden:
                 raise ValueError(f"the EAGLE-3 head reads hidden states of {source}, the "
                                  f"target's are {target_hidden}.")
-            eagle = config.get("eagle_config") or {}
-            self.num_aux = 3 if eagle.get("use_aux_hidden_state", True) else 0
+            self.num_aux = 3 if uses_aux_hidden(config, version) else 0
             first = _Eagle3FirstLayer(arch, rope, bool(config.get("norm_before_residual")))
             layers = [first, *(LlamaDecoderLayer(arch, rope, i)
                                for i in range(1, arch.num_layers))]
@@ -161,6 +172,11 @@ class EagleHead(nn.Module):
         # EAGLE-3's own embedding where its checkpoint has one (EAGLE-1 uses the target's)
         self.embed_tokens = (VocabEmbedding(arch.vocab_size, arch.hidden_size)
                              if own_embedding and version == 3 else None)
+
+    def read_vocabulary(self, embedding: nn.Module, lm_head: nn.Module) -> None:
+        """Read these (whole) tables instead of the target's modules: under tensor or pipeline
+        parallelism those are shards, or on another rank (`runner/spec_eagle.py`)."""
+        self._target = (embedding, lm_head)
 
     # ------------------------------------------------------------------ weights
 

@@ -28,6 +28,7 @@ from aserve.distributed import (
     get_pp_size,
     get_sp_rank,
     get_tp_rank,
+    is_first_rank,
     recv_from_stage,
     send_to_stage,
     stage_layers,
@@ -52,7 +53,7 @@ from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logpr
 from aserve.runner.sampling_metadata import SamplingMetadata
 from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.runner.spec_draft import DraftModel
-from aserve.runner.spec_eagle import EagleDrafter
+from aserve.runner.spec_eagle import EagleDrafter, target_streams, whole_vocab_tables
 from aserve.runner.spec_verify import verify_drafts
 from aserve.structured_output import apply_token_bitmask
 
@@ -106,6 +107,9 @@ class ModelRunner:
         self.model, self.arch = load_model(model_config, self.device,
                                            platform.quantized_float16_as)
         self.model.eval()
+        eagle = draft is not None and draft.method != "draft_model"
+        # (before packing: an EAGLE head under TP or PP reads the target's tables whole)
+        vocab = whole_vocab_tables(self.model, draft.method) if eagle else None
         # every kernel of this dtype, compiled now (not in the middle of a request), bound to
         # the layers once; linear weights packed where the platform packs them
         self.ops = platform.kernel_ops(self.arch.dtype)
@@ -128,16 +132,16 @@ class ModelRunner:
         self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
         self.grammar_masks = GrammarMasks(self.vocab_size, device,
                                           check_greedy_tokens=platform.computes_on_host)
-        # speculative decoding's draft model (`spec_draft.py`) or EAGLE head (`spec_eagle.py`);
-        # None: drafts, if any, come from the scheduler's lookups
+        # speculative decoding's draft model (`spec_draft.py`) or EAGLE head (`spec_eagle.py`),
+        # on rank 0 (which samples; it drafts for all); None: drafts, if any, come from the
+        # scheduler's lookups. `streams`: the target's hidden states the EAGLE head reads
+        self.streams = target_streams(draft.model, draft.method, self.model) if eagle else None
         self.drafter: DraftModel | EagleDrafter | None = None
-        if draft is not None and draft.method == "draft_model":
-            self.drafter = DraftModel(draft.model, platform, device, self.vocab_size,
-                                      draft.num_tokens)
-        elif draft is not None:
-            self.drafter = EagleDrafter(draft.model, draft.method, self.model, platform, device,
-                                        draft.num_tokens)
-        self._target_hidden: torch.Tensor | None = None  # the last forward's, for EAGLE
+        if draft is not None and is_first_rank():
+            self.drafter = (DraftModel(draft.model, platform, device, self.vocab_size,
+                                       draft.num_tokens) if draft.method == "draft_model"
+                            else EagleDrafter(draft.model, draft.method, self.model, platform,
+                                              device, draft.num_tokens, vocab))
 
     @property
     def kv_connector(self) -> KVConnectorBase | None:
@@ -182,7 +186,7 @@ class ModelRunner:
     def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
         """Capture decode-only forwards of these batch sizes (after the KV cache is bound);
         none under an EAGLE-3 head, which reads hidden states from inside the stack."""
-        if isinstance(self.drafter, EagleDrafter) and self.model.model.aux_layer_ids:
+        if self.model.model.aux_layer_ids:
             return
         self.graphs = DecodeGraphs(self.model, self.platform, self.device, capture_sizes,
                                    max_blocks_per_seq, self.num_kv_groups)
@@ -289,6 +293,9 @@ class ModelRunner:
         if not step.req_ids:  # no forward: the KV connector's report alone (None without one)
             return ModelRunnerOutput([], [], kv_connector_output=step.kv_output)
         states, inputs, logits = step.states, step.inputs, step.logits
+        # (the EAGLE head's streams come before the logits from the last stage)
+        streams = (self.streams.collect(len(inputs.input_ids), self.device)
+                   if self.streams is not None else None)
         if logits is None:
             logits = self.receive_logits(len(inputs.logits_indices))
         forward_seconds = time.perf_counter() - step.start
@@ -324,15 +331,13 @@ class ModelRunner:
         if isinstance(self.drafter, EagleDrafter) and step.draft_model_runs:
             table = self.block_tables.gather(step.req_ids)[self.drafter.group]
             output.draft_token_ids, output.draft_passes, output.draft_seconds = (
-                self.drafter.propose(states, inputs, accepted,
-                                     self.drafter.target_hidden(self._target_hidden), table,
+                self.drafter.propose(states, inputs, accepted, streams, table,
                                      self.num_kv_groups, step.num_draft_tokens or {}))
         elif num_sampling and step.num_draft_tokens:
             start = time.perf_counter()
             output.draft_token_ids, output.draft_passes = self._draft(
                 states, inputs.sample_req_indices, step.num_draft_tokens)
             output.draft_seconds = time.perf_counter() - start
-        self._target_hidden = None
         return output
 
     def _draft(self, states: list[CachedRequestState], rows: list[int],
@@ -432,11 +437,11 @@ class ModelRunner:
             out = self.model(self._tensor(input_ids), self._tensor(positions),
                              self._attn_metadata(inputs), intermediate)
         self.platform.mark_step()  # XLA: run the traced forward (KV-cache writes included) now
+        if self.streams is not None:
+            self.streams.after_forward(out, len(inputs.input_ids))
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
             return None
-        if isinstance(self.drafter, EagleDrafter):
-            self._target_hidden = out  # [num_tokens, hidden_size]: the head reads its rows
         hidden = gather_rows(out, inputs.logits_indices, len(inputs.input_ids))
         if get_sp_rank() > 0:
             return None  # (the first SP rank's logits are the ones sampled)

@@ -16,6 +16,11 @@ blocks serve both models, prefix hits and preemption included. The scheduler all
 slots past each step's tokens for the passes above (`Scheduler`'s lookahead). Greedy drafts
 are one-hot, as vLLM's draft and EAGLE proposers treat theirs, so verification stays exact
 for random sampling too.
+
+Under tensor, pipeline or sequence parallelism the draft model lives on rank 0 alone, whole
+(`distributed.single_rank`: built and run as if it were the only rank), beside the target's
+first stage and shard: rank 0 samples, and the drafts reach the other ranks as the next step's
+inputs do. Its KV buffers, whole, are counted in rank 0's block size (rank 0 sizes the cache).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from aserve.backends import Platform
 from aserve.config import KVCacheGroupSpec, ModelConfig
+from aserve.distributed import single_rank
 from aserve.layers import bind_ops
 from aserve.layers.attention import AttentionMetadata
 from aserve.models import load_model
@@ -109,7 +115,9 @@ class DraftModel(PagedDrafter):
     def __init__(self, model_config: ModelConfig, platform: Platform, device: torch.device,
                  vocab_size: int, num_tokens: int) -> None:
         super().__init__(device, num_tokens)
-        self.model, self.arch = load_model(model_config, device, platform.quantized_float16_as)
+        with single_rank():  # whole on rank 0, whatever the target's layout
+            self.model, self.arch = load_model(model_config, device,
+                                               platform.quantized_float16_as)
         self.model.eval()
         self.ops = platform.kernel_ops(self.arch.dtype)
         bind_ops(self.model, self.ops)
@@ -124,7 +132,8 @@ class DraftModel(PagedDrafter):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> None:
         """The draft model over a step's tokens (the target's inputs): its K/V, nothing else."""
-        self.model(input_ids, positions, metadata)
+        with single_rank():
+            self.model(input_ids, positions, metadata)
 
     def propose(self, tokens: list[int], positions: list[int], tables: list[np.ndarray],
                 num_groups: int, counts: list[int]) -> tuple[list[list[int]], int]:
@@ -132,7 +141,11 @@ class DraftModel(PagedDrafter):
         `tokens[i]` sits at `positions[i]`; `tables`: the requests' block tables per group
         (rows in order). A request stops drafting at a position its blocks do not cover.
         Returns the drafts and the passes run."""
-        table = tables[self.group]
+        with single_rank():
+            return self._propose(tokens, positions, tables[self.group], num_groups, counts)
+
+    def _propose(self, tokens: list[int], positions: list[int], table: np.ndarray,
+                 num_groups: int, counts: list[int]) -> tuple[list[list[int]], int]:
         drafts: list[list[int]] = [[] for _ in tokens]
         active = list(range(len(tokens)))
         current, where = list(tokens), list(positions)

@@ -16,6 +16,17 @@ and the next step. Like the draft model, the head keeps K/V buffers indexed by t
 full-attention block ids (`spec_draft.PagedDrafter`), so prefix hits and preemption serve it
 too, and it rests (its K/V of those positions unwritten) while the cost policy stops
 drafting. Greedy drafts are one-hot, as vLLM's EAGLE proposer treats them.
+
+Under tensor, pipeline or sequence parallelism the head lives on rank 0 alone, whole, as the
+draft model does; what it reads of the target comes to rank 0:
+
+    hidden states   `TargetStreams`, on every rank: each stage keeps the streams of its
+                    layers (the last stage: the final hidden states), every row of the step
+                    (gathered over its SP group), and its first rank sends them to rank 0,
+                    which takes them, in layer order, before the step's logits
+    vocabulary      `whole_vocab_tables`, once at load, before weights are packed: the
+                    embedding (and EAGLE-1's untied LM head) all-gathered over the TP group,
+                    the LM head sent on from the last stage
 """
 
 from __future__ import annotations
@@ -29,42 +40,169 @@ import torch
 
 from aserve.backends import Platform
 from aserve.config import ModelConfig
+from aserve.distributed import (
+    get_pp_rank,
+    get_pp_size,
+    get_sp_size,
+    get_tp_size,
+    is_first_rank,
+    recv_from_stage,
+    send_to_stage,
+    single_rank,
+    stage_layers,
+    tp_all_gather,
+)
+from aserve.distributed.state import stage_rank
 from aserve.layers import bind_ops
-from aserve.models.eagle import EagleHead, aux_layer_ids, read_eagle_checkpoint
+from aserve.layers.embedding import LMHead, VocabEmbedding
+from aserve.models.arch_config import ModelArchConfig
+from aserve.models.eagle import (
+    EagleHead,
+    aux_layer_ids,
+    read_eagle_checkpoint,
+    read_eagle_config,
+    uses_aux_hidden,
+)
 from aserve.models.loader import default_dtype
 from aserve.runner.input_batch import PreparedInputs
 from aserve.runner.request_state import CachedRequestState
+from aserve.runner.sequence_parallel import gather_rows
 from aserve.runner.spec_draft import PagedDrafter
+
+VocabTables = tuple[torch.Tensor, torch.Tensor | None]  # embedding, EAGLE-1's untied LM head
+
+
+def _version(method: str) -> int:
+    return 3 if method == "eagle3" else 1
+
+
+def whole_vocab_tables(target: torch.nn.Module, method: str) -> VocabTables | None:
+    """Every rank, under tensor or pipeline parallelism, before the target's weights are
+    packed: the target's embedding table and (EAGLE-1, untied) its LM head's, whole, on rank 0
+    (None elsewhere, and with one rank a stage unsplit: the head reads the target's modules)."""
+    if get_tp_size() == 1 and get_pp_size() == 1:
+        return None
+    arch, stack = target.arch, target.model
+    stage, last = get_pp_rank(), get_pp_size() - 1
+
+    def whole(module: torch.nn.Module, what: str) -> torch.Tensor:
+        weight = module.weight.data
+        if not weight.is_floating_point() or weight.dim() != 2:
+            raise ValueError(f"an EAGLE head under tensor or pipeline parallelism reads the "
+                             f"target's {what} as floats; this checkpoint holds it as "
+                             f"{weight.dtype}.")
+        return tp_all_gather(weight, dim=0)[:arch.vocab_size]  # [vocab, hidden]
+
+    embedding = whole(stack.embed_tokens, "embedding") if stage == 0 else None
+    lm_head = None
+    if _version(method) == 1 and not arch.tie_word_embeddings:
+        if stage == last:
+            lm_head = whole(target.lm_head, "LM head")
+            if last > 0 and stage_rank() == 0:
+                send_to_stage([lm_head], 0)
+        elif stage == 0 and is_first_rank():
+            shape = (arch.vocab_size, arch.hidden_size)
+            lm_head = recv_from_stage([shape], embedding.dtype, embedding.device, last)[0]
+    return (embedding, lm_head) if is_first_rank() else None
+
+
+class TargetStreams:
+    """The target's hidden states an EAGLE head reads, every row of each step, brought to rank
+    0 (module docstring): EAGLE-3's residual streams entering `layers`, else (no layers) the
+    final hidden states. Built on every rank; `after_forward` on every rank after each step's
+    forward, `collect` on rank 0 once for each such step, in order."""
+
+    def __init__(self, target: torch.nn.Module, layers: tuple[int, ...]) -> None:
+        self.stack, self.layers = target.model, layers
+        self.hidden_size, self.dtype = target.arch.hidden_size, target.arch.dtype
+        if layers:
+            self.stack.capture(layers)
+        num_layers, last = target.arch.num_layers, get_pp_size() - 1
+        # how many streams each stage holds, in layer order
+        self.counts = [sum(i in stage_layers(num_layers, s) for i in layers) if layers
+                       else int(s == last) for s in range(last + 1)]
+        self.held: list[list[torch.Tensor]] = []  # rank 0: its own, per step not yet collected
+
+    def after_forward(self, out: torch.Tensor | tuple, num_rows: int) -> None:
+        """This stage's streams of the step just run (`out`: its output, `num_rows` the
+        step's rows): kept (rank 0) or sent to rank 0 (another stage's first rank)."""
+        stage = get_pp_rank()
+        if self.layers:
+            mine = list(self.stack.aux_hidden)
+        else:
+            mine = [out] if stage == get_pp_size() - 1 else []
+        if get_sp_size() > 1 and mine:  # every row, from the SP ranks holding them
+            every = np.arange(num_rows)
+            mine = [gather_rows(h, every, num_rows) for h in mine]
+        if stage == 0:
+            if is_first_rank():
+                self.held.append(mine)
+        elif mine and stage_rank() == 0:
+            send_to_stage(mine, 0)
+
+    def collect(self, num_rows: int, device: torch.device) -> list[torch.Tensor]:
+        """Rank 0: the oldest uncollected step's streams, in layer order (each [rows, H])."""
+        streams = self.held.pop(0)
+        for stage, count in enumerate(self.counts[1:], start=1):
+            if count:
+                streams += recv_from_stage([(num_rows, self.hidden_size)] * count,
+                                           self.dtype, device, stage)
+        return streams
+
+
+def target_streams(model_config: ModelConfig, method: str,
+                   target: torch.nn.Module) -> TargetStreams:
+    """The streams an EAGLE head of `model_config` reads of `target` (every rank)."""
+    config = read_eagle_config(Path(model_config.model))
+    layers = (aux_layer_ids(config, target.arch.num_layers)
+              if uses_aux_hidden(config, _version(method)) else ())
+    return TargetStreams(target, layers)
 
 
 class EagleDrafter(PagedDrafter):
     def __init__(self, model_config: ModelConfig, method: str, target: torch.nn.Module,
-                 platform: Platform, device: torch.device, num_tokens: int) -> None:
+                 platform: Platform, device: torch.device, num_tokens: int,
+                 vocab: VocabTables | None = None) -> None:
+        """`vocab`: the target's tables, whole (`whole_vocab_tables`), where its own modules
+        are shards."""
         super().__init__(device, num_tokens)
         config, tensors = read_eagle_checkpoint(Path(model_config.model))
-        version = 3 if method == "eagle3" else 1
-        dtype = target.arch.dtype
-        with default_dtype(dtype), torch.device(device):
+        dtype, version = target.arch.dtype, _version(method)
+        with default_dtype(dtype), torch.device(device), single_rank():
             head = EagleHead(config, version, target, "embed_tokens.weight" in tensors)
+            tables = () if vocab is None else self._vocab_modules(vocab, target.arch, version)
+        if tables:
+            head.read_vocabulary(*tables)
         head.load({name: t.to(dtype) if t.is_floating_point() else t
                    for name, t in tensors.items()})
         self.model = head.eval()
         self.arch = replace(head.arch, dtype=dtype)
         self.ops = platform.kernel_ops(dtype)
-        bind_ops(self.model, self.ops)
-        self.stack = target.model  # the target's decoder stack, whose hidden states it reads
-        if version == 3 and head.num_aux:
+        with single_rank():
+            for module in (self.model, *tables):
+                if module is not None:
+                    bind_ops(module, self.ops)
+        if head.num_aux:
             ids = aux_layer_ids(config, target.arch.num_layers)
             if len(ids) != head.num_aux:
                 raise ValueError(f"the EAGLE-3 head's fc reads {head.num_aux} hidden states, "
                                  f"its config names {len(ids)} layers.")
-            self.stack.capture(ids)
 
-    def target_hidden(self, final: torch.Tensor) -> list[torch.Tensor]:
-        """The target's hidden states of the step just run (every row), as the head reads."""
-        if self.model.version == 3 and self.model.num_aux:
-            return list(self.stack.aux_hidden)
-        return [final]
+    @staticmethod
+    def _vocab_modules(vocab: VocabTables, arch: ModelArchConfig, version: int
+                       ) -> tuple[VocabEmbedding, LMHead | None]:
+        """An embedding of the whole table and (EAGLE-1) an LM head, its own table's or tied
+        to the embedding (EAGLE-3 reads its own LM head)."""
+        embedding = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        embedding.weight.data.copy_(vocab[0])
+        if version == 3:
+            return embedding, None
+        lm_head = LMHead(arch.vocab_size, arch.hidden_size)
+        if vocab[1] is None:
+            lm_head.tie_to(embedding)
+        else:
+            lm_head.weight.data.copy_(vocab[1])
+        return embedding, lm_head
 
     def propose(self, states: list[CachedRequestState], inputs: PreparedInputs,
                 accepted: dict[str, int], hidden: list[torch.Tensor], table: np.ndarray,
@@ -72,11 +210,18 @@ class EagleDrafter(PagedDrafter):
                 ) -> tuple[dict[str, list[int]], int, float]:
         """Pass 1 over the step's rows (`inputs`, after verification: `accepted` drafts a
         request) and the decode passes after it; `table`: the full group's block table of
-        `states` (rows in order), `hidden`: `target_hidden`'s. Returns the drafts of each
+        `states` (rows in order), `hidden`: the step's `TargetStreams`. Returns the drafts of each
         request `counts` asks drafts of (at most its count), and the passes that cost what
         drafting costs a step with their seconds: pass 1 only where the step decodes (over a
         prompt's chunk it is part of the prefill, which the head keeps up with anyway), and
         every decode pass."""
+        with single_rank():
+            return self._propose(states, inputs, accepted, hidden, table, num_groups, counts)
+
+    def _propose(self, states: list[CachedRequestState], inputs: PreparedInputs,
+                 accepted: dict[str, int], hidden: list[torch.Tensor], table: np.ndarray,
+                 num_groups: int, counts: dict[str, int]
+                 ) -> tuple[dict[str, list[int]], int, float]:
         began = time.perf_counter()
         num_drafts = dict(inputs.spec_drafts)
         qsl, positions = inputs.query_start_loc, inputs.positions

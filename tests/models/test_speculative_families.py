@@ -1,7 +1,8 @@
 """Greedy with n-gram drafts equals HF transformers' on every model family's tiny model —
 sliding windows (their blocks freed behind the window while drafts roll back), mixtures of
 experts, soft-caps — under 16-token chunks and small blocks; constrained requests speculate
-within their grammars; TP=2, PP=2 and SP=2 (slow)."""
+within their grammars (every method); TP=2, PP=2 and SP=2 (slow; the draft model and EAGLE
+heads under them: tests/parallel/test_speculative_layouts.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import random
 
 import pytest
+from helpers.eagle_heads import make_eagle_head
 from helpers.hf_models import MOE_CASES, SLIDING_CASES, hf_greedy
 
 from aserve import LLM, SamplingParams
@@ -55,10 +57,20 @@ def test_greedy_with_drafts_matches_hf(model_dir_factory, case) -> None:
     assert stats.spec_decode_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
 
 
-def test_constrained_requests_speculate_within_their_grammars(llama_dir) -> None:
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle"])
+def test_constrained_requests_speculate_within_their_grammars(llama_dir, tmp_path, monkeypatch,
+                                                              method) -> None:
     """Drafts of constrained requests are checked against the grammar row by row (a refused
     one is rejected): greedy replies as without drafts, every request constrained or every
-    other one; a random reply is still valid JSON."""
+    other one; a random reply is still valid JSON. Each method: the lookups, the target as
+    its own draft model (its drafts ignore the grammar), an EAGLE head (the policy lifted:
+    the drafters keep up at every step)."""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    spec = {"ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+            "draft_model": {"method": "draft_model", "model": str(llama_dir),
+                            "num_speculative_tokens": 3},
+            "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(
+                make_eagle_head(tmp_path / "head", llama_dir, 1, seed=1))}}[method]
     schema = {"type": "object", "additionalProperties": False,
               "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                              "b": {"type": "string", "maxLength": 12}},
@@ -70,12 +82,12 @@ def test_constrained_requests_speculate_within_their_grammars(llama_dir) -> None
     batches = [[constrained] * len(prompts),
                [constrained if i % 2 else free for i in range(len(prompts))]]
     results = []
-    for spec in (None, NGRAM):
+    for speculative in (None, spec):
         with LLM(llama_dir, dtype="float32", max_model_len=128,
-                 speculative_config=spec) as llm:
+                 speculative_config=speculative) as llm:
             results.append([[o.outputs[0].token_ids for o in llm.generate(prompts, params)]
                             for params in batches])
-            if spec is not None:
+            if speculative is not None:
                 accepted = llm.stats().spec_decode_num_accepted_tokens
                 sampled = llm.generate(prompts[:2], SamplingParams(
                     temperature=0.8, max_tokens=100,
