@@ -38,23 +38,44 @@ def repeating_prompts() -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_greedy_with_drafts_matches_hf(model_dir_factory, case) -> None:
+def test_greedy_with_drafts_matches_hf(model_dir_factory, tmp_path, monkeypatch, case,
+                                       method) -> None:
+    """Each method on each family: the lookups; the family's model as its own draft model
+    (every draft accepted; a llama of its vocabulary beside a sliding-window family, whose
+    layers a draft model may not have); an EAGLE-1 head on its embedding and LM head. The
+    cost policy is lifted for the last two (drafts this size never pay)."""
     arch, overrides = CASES[case]
     model_dir = model_dir_factory(arch, **overrides)
     prompts = repeating_prompts()
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
+    own_draft = case not in SLIDING_CASES
+    if method in ("draft_model", "eagle"):
+        monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    spec = {"ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+            "draft_model": {"method": "draft_model", "num_speculative_tokens": 3,
+                            "model": str(model_dir if own_draft
+                                         else model_dir_factory("llama", seed=3))},
+            "eagle": {"method": "eagle", "num_speculative_tokens": 3, "model": str(
+                make_eagle_head(tmp_path / "head", model_dir, 1, seed=2))}}[method]
+    settings = {"dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 16,
+                "long_prefill_token_threshold": 16, "block_size": 8, "speculative_config": spec}
+    if case == "mistral" and method in ("draft_model", "eagle"):  # every layer slides: no
+        with pytest.raises(ValueError, match="full-attention"):  # block table covers every
+            LLM(model_dir, **settings)  # position for the drafter's own K/V
+        return
     # HF's min_new_tokens masks EOS throughout; so does min_tokens here (drafts then stop
     # short of it, and the min_tokens mask applies to every draft row)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, min_tokens=NUM_NEW)
-    with LLM(model_dir, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
-             long_prefill_token_threshold=16, block_size=8,
-             speculative_config=NGRAM) as llm:
+    with LLM(model_dir, **settings) as llm:
         for _ in range(2):  # the second pass hits the prefix cache
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             assert [o.outputs[0].token_ids for o in outs] == expected
         stats = llm.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+    if method == "draft_model" and own_draft:
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "eagle"])
