@@ -125,13 +125,15 @@ def test_constrained_requests_speculate_within_their_grammars(llama_dir, tmp_pat
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2},
                                     {"pipeline_parallel_size": 2},
                                     {"sequence_parallel_size": 2}], ids=["tp2", "pp2", "sp2"])
-def test_parallel_layouts_with_drafts_match_hf(model_dir_factory, layout) -> None:
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "suffix", "num_speculative_tokens": 4}],
+                         ids=["ngram", "suffix"])
+def test_parallel_layouts_with_drafts_match_hf(model_dir_factory, layout, spec) -> None:
     model_dir = model_dir_factory("llama")
     prompts = repeating_prompts()
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True)
     with LLM(model_dir, dtype="float32", max_model_len=128, block_size=8,
-             speculative_config=NGRAM, **layout) as llm:
+             speculative_config=spec, **layout) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert llm.stats().spec_decode_num_accepted_tokens > 0
