@@ -52,7 +52,8 @@ down; GPU memory is freed between sections), killed at its budget (seconds, full
                                equal to greedy without (a mismatch fails; llama also with
                                itself as its draft model), drafts accepted
                                and rejected, a random-sampled batch with drafts; the drafts
-                               and acceptance counted
+                               and acceptance counted, and the graph replays by rows a
+                               request (1: decode; 1 + k: verification steps' own graphs)
     throughput      140 / 300  a random ~1.1B Llama-shaped bf16 model (a 4-layer 256-wide one with
                                --quick) in a temp dir; benchmarks/roofline.py --device (batch-1
                                TPOT against the device's measured read bandwidth: weight bytes
@@ -815,6 +816,8 @@ def speculative_one(ctx: Context, model_dir: Path) -> dict:
             llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32))
             stats = llm.stats()
+            graphs = graphs_of(llm)  # verification steps of 1 + k rows a request replayed
+            replays = {str(q): n for q, n in graphs.replays.items()} if graphs else None
         mismatches = [i for i, (a, b) in enumerate(zip(plain, got))
                       if a.outputs[0].token_ids != b.outputs[0].token_ids]
         if mismatches:
@@ -824,7 +827,8 @@ def speculative_one(ctx: Context, model_dir: Path) -> dict:
         out[method] = {"num_prompts": len(prompts), "num_equal": len(prompts) - len(mismatches),
                        "drafted": stats.spec_decode_num_draft_tokens,
                        "accepted": stats.spec_decode_num_accepted_tokens,
-                       "per_position": list(stats.spec_decode_num_accepted_tokens_per_pos)}
+                       "per_position": list(stats.spec_decode_num_accepted_tokens_per_pos),
+                       "graph_replays_by_rows_a_request": replays}
         free_memory()
     return out
 

@@ -193,7 +193,8 @@ class EngineArgs:
                                             dequantize=self.dequantize),
                                 spec.method, spec.num_speculative_tokens)
         return WorkerSpec(self.model_config(), self.block_size, self.device, self.enforce_eager,
-                          self.max_num_seqs, self.kv_transfer_config, draft)
+                          self.max_num_seqs, self.kv_transfer_config, draft,
+                          spec.num_speculative_tokens if spec is not None else 0)
 
     def rank_layout(self) -> RankLayout:
         """pp × sp × tp ranks over `nnodes` nodes."""

@@ -39,6 +39,7 @@ class WorkerSpec:
     kv_transfer_config: KVTransferConfig | None = None  # each rank builds a worker side
     # speculative decoding's draft model or EAGLE head (runner/spec_draft.py, spec_eagle.py)
     draft: DraftConfig | None = None
+    num_speculative_tokens: int = 0  # k of any method: verification steps get graphs too
 
     def build(self, distributed: DistributedConfig | None = None,
               publish_inputs: Callable[[PreparedInputs | None, Any], None] | None = None,
@@ -56,7 +57,7 @@ class WorkerSpec:
                       distributed=distributed, publish_inputs=publish_inputs,
                       kv_transfer_config=self.kv_transfer_config,
                       gather_kv_reports=gather_kv_reports,
-                      draft=self.draft)
+                      draft=self.draft, num_speculative_tokens=self.num_speculative_tokens)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Decode-only steps replayed as captured graphs (CUDA graphs; HIP graphs on ROCm).
+"""Decode steps and verification steps replayed as captured graphs (CUDA graphs; HIP graphs on
+ROCm).
 
 At start-up the forward of a decode batch is captured once per size in `capture_sizes`, reading
 static input buffers. A decode-only step of n requests copies its inputs into the first n rows,
@@ -8,6 +9,12 @@ pads the batch up to the next captured size and replays that graph:
     input_ids / positions        the step's tokens                  0
     slot_mapping                 the step's slots                   -1 (K/V not written)
     seq_lens / block_table       the step's                         1 / block 0 (read, ignored)
+
+With speculative decoding (k drafts), steps where every request verifies k drafts (1 + k rows
+each: the uniform query vLLM captures too) have graphs of their own, for the sizes whose
+tokens stay within the largest decode size's: the same buffers, q = 1 + k rows a request,
+padding requests of q rows with a sequence of q. Other mixes (fewer drafts for some
+requests, prefill chunks) run eagerly.
 
 Each KV cache group has its own block table and slot mapping buffers (hybrid KV cache).
 
@@ -39,68 +46,99 @@ def default_capture_sizes(max_num_seqs: int, largest: int = 256) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, platform: Platform, device: torch.device,
                  capture_sizes: list[int], max_blocks_per_seq: int,
-                 num_kv_groups: int = 1) -> None:
+                 num_kv_groups: int = 1, num_speculative_tokens: int = 0) -> None:
         self.model, self.platform = model, platform
         self.sizes = sorted(capture_sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mappings = [torch.full((n,), -1, dtype=torch.int64, device=device)
+        # rows a request -> the request counts captured with that many
+        self.captured_sizes = {1: self.sizes}
+        if num_speculative_tokens > 0:
+            q = 1 + num_speculative_tokens
+            self.captured_sizes[q] = [s for s in self.sizes if s * q <= n] or [1]
+        tokens = max(q * sizes[-1] for q, sizes in self.captured_sizes.items())
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mappings = [torch.full((tokens,), -1, dtype=torch.int64, device=device)
                               for _ in range(num_kv_groups)]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_locs = {q: torch.arange(0, q * (n + 1), q, dtype=torch.int32,
+                                                 device=device)
+                                 for q in self.captured_sizes}
         self.block_tables = [torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
                              for _ in range(num_kv_groups)]
-        self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
-        self.num_replays = 0
+        # (requests, rows a request) -> (replay, output)
+        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
+        self.replays = dict.fromkeys(self.captured_sizes, 0)  # per rows a request
 
-    def _metadata(self, size: int) -> AttentionMetadata:
+    @property
+    def num_replays(self) -> int:
+        return sum(self.replays.values())
+
+    def _metadata(self, size: int, q: int) -> AttentionMetadata:
         groups = [AttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=table[:size], slot_mapping=slots[:size],
-            max_query_len=1, max_seq_len=self.max_blocks_per_seq)
+            query_start_loc=self.query_start_locs[q][:size + 1], seq_lens=self.seq_lens[:size],
+            block_table=table[:size], slot_mapping=slots[:size * q],
+            max_query_len=q, max_seq_len=self.max_blocks_per_seq)
             for table, slots in zip(self.block_tables, self.slot_mappings, strict=True)]
         if len(groups) == 1:
             return groups[0]
         return replace(groups[0], group_metadata=tuple(groups))
 
-    def _forward(self, size: int) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
+    def _forward(self, size: int, q: int) -> torch.Tensor:
+        rows = size * q
+        return self.model(self.input_ids[:rows], self.positions[:rows],
+                          self._metadata(size, q))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the pool grows once, smaller ones reuse it)."""
         pool = self.platform.graph_pool()
-        for size in reversed(self.sizes):
+        shapes = sorted(((size, q) for q, sizes in self.captured_sizes.items() for size in sizes),
+                        key=lambda shape: -shape[0] * shape[1])
+        for size, q in shapes:
+            self.seq_lens[:size].fill_(q)  # (warm-up rows: q query rows in a sequence of q)
             for _ in range(2):  # warm up: kernels compiled, allocator settled
-                self._forward(size)
+                self._forward(size, q)
             self.platform.synchronize()
-            self.graphs[size] = self.platform.capture_graph(lambda s=size: self._forward(s), pool)
+            self.graphs[size, q] = self.platform.capture_graph(
+                lambda s=size, r=q: self._forward(s, r), pool)
         self.platform.synchronize()
 
+    def _rows_a_request(self, inputs: PreparedInputs) -> int | None:
+        """q when every request of the step has q rows and q was captured, else None."""
+        num_reqs, num_tokens = len(inputs.seq_lens), len(inputs.input_ids)
+        if num_reqs == 0 or num_tokens % num_reqs:
+            return None
+        q = num_tokens // num_reqs
+        if q not in self.captured_sizes or (
+                q > 1 and np.any(np.diff(inputs.query_start_loc[:num_reqs + 1]) != q)):
+            return None
+        return q
+
     def can_run(self, inputs: PreparedInputs) -> bool:
-        """A decode-only step within the largest captured size and block-table width."""
-        num_reqs = len(inputs.seq_lens)
-        return (len(inputs.input_ids) == num_reqs <= self.sizes[-1]
+        """A decode-only step, or one where every request verifies k drafts, within the
+        largest captured size and block-table width."""
+        q = self._rows_a_request(inputs)
+        return (q is not None and len(inputs.seq_lens) <= self.captured_sizes[q][-1]
                 and all(t.shape[1] <= self.max_blocks_per_seq for t in inputs.block_tables))
 
     def run(self, inputs: PreparedInputs) -> torch.Tensor:
-        """Replay the graph of the smallest captured size >= the batch; [n, hidden]."""
-        n = len(inputs.seq_lens)
-        size = next(s for s in self.sizes if s >= n)
-        self._load(self.input_ids, inputs.input_ids, size, 0)
-        self._load(self.positions, inputs.positions, size, 0)
-        self._load(self.seq_lens, inputs.seq_lens, size, 1)
+        """Replay the graph of the smallest captured size >= the batch; [n q, hidden]."""
+        n, q = len(inputs.seq_lens), self._rows_a_request(inputs)
+        size = next(s for s in self.captured_sizes[q] if s >= n)
+        self._load(self.input_ids, inputs.input_ids, size * q, 0)
+        self._load(self.positions, inputs.positions, size * q, 0)
+        self._load(self.seq_lens, inputs.seq_lens, size, q)
         for slots, values in zip(self.slot_mappings, inputs.slot_mappings, strict=True):
-            self._load(slots, values, size, -1)
+            self._load(slots, values, size * q, -1)
         for table, values in zip(self.block_tables, inputs.block_tables, strict=True):
             table[:size].zero_()
             table[:n, :values.shape[1]].copy_(torch.from_numpy(values), non_blocking=True)
-        replay, out = self.graphs[size]
+        replay, out = self.graphs[size, q]
         replay()
-        self.num_replays += 1
-        return out[:n]
+        self.replays[q] += 1
+        return out[:n * q]
 
     @staticmethod
     def _load(buffer: torch.Tensor, values: np.ndarray, size: int, pad: int) -> None:

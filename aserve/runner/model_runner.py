@@ -183,13 +183,16 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.block_size, list(kv_cache_groups))
 
-    def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int) -> None:
-        """Capture decode-only forwards of these batch sizes (after the KV cache is bound);
-        none under an EAGLE-3 head, which reads hidden states from inside the stack."""
+    def capture_graphs(self, capture_sizes: list[int], max_blocks_per_seq: int,
+                       num_speculative_tokens: int = 0) -> None:
+        """Capture decode-only forwards of these batch sizes (after the KV cache is bound),
+        and verification steps of k drafts a request; none under an EAGLE-3 head, which reads
+        hidden states from inside the stack."""
         if self.model.model.aux_layer_ids:
             return
         self.graphs = DecodeGraphs(self.model, self.platform, self.device, capture_sizes,
-                                   max_blocks_per_seq, self.num_kv_groups)
+                                   max_blocks_per_seq, self.num_kv_groups,
+                                   num_speculative_tokens)
         self.graphs.capture()
 
     @_no_grad

@@ -54,8 +54,9 @@ class Worker:
                  publish_inputs: Callable[..., None] | None = None,
                  kv_transfer_config: KVTransferConfig | None = None,
                  gather_kv_reports: Callable[[], list[KVConnectorOutput]] | None = None,
-                 draft: DraftConfig | None = None) -> None:
+                 draft: DraftConfig | None = None, num_speculative_tokens: int = 0) -> None:
         self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
+        self.num_speculative_tokens = num_speculative_tokens
         self.platform: Platform = set_platform(device)
         self.device: torch.device = self.platform.device_for_rank(local_rank)
         self.platform.set_device(self.device)
@@ -144,7 +145,8 @@ class Worker:
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
                 and not all_to_all and get_sp_size() == 1):
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
-            self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks)
+            self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks,
+                                       self.num_speculative_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)

@@ -91,3 +91,31 @@ def test_static_shape_platforms_see_power_of_two_token_counts_and_same_tokens(
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert seen and all(n >= 16 and n & (n - 1) == 0 for n in seen)
     assert set(seen) <= {16, 32}
+
+
+def test_verification_steps_replay_graphs_of_their_own(model_dir_factory, monkeypatch):
+    """With k drafts, steps where every request has 1 + k rows replay graphs captured for that
+    (padding requests of 1 + k rows write no K/V): greedy as eager. The model is its own
+    draft model, so every request has k drafts at every step (n-gram drafts of a random
+    model come in every count, and those steps run eagerly)."""
+    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    model_dir = model_dir_factory("llama")
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(model_dir)}
+    rng = random.Random(1)
+    runs = [[rng.randrange(3, 200) for _ in range(n)] for n in (4, 7, 5)]
+    prompts = [{"prompt_token_ids": r * 3} for r in runs]  # drafts from the first step on
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    eager = LLM(model_dir, dtype="float32", max_num_seqs=8, enforce_eager=True)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+    platform = FakeGraphPlatform()
+    monkeypatch.setattr(worker_module, "set_platform", lambda device: platform)
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=16, block_size=4,
+              speculative_config=spec)
+    q = 1 + spec["num_speculative_tokens"]
+    graphs = llm.engine_core.executor.worker.runner.graphs
+    verify_sizes = [s for s in (1, 2, 4) if s * q <= 16]  # tokens within the largest decode's
+    assert graphs.captured_sizes == {1: [1, 2, 4, 8, 16], q: verify_sizes}
+    assert sorted(platform.captured) == sorted([16, 8, 4, 2, 1, *(s * q for s in verify_sizes)])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert graphs.replays[q] >= 3 and llm.stats().spec_decode_num_accepted_tokens > 0
