@@ -117,9 +117,12 @@ def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = No
 
 class QuantFusedMoE:
     """A MoE layer's experts kept as integers (`FusedMoEFn`): each local expert's [gate; up]
-    packed gated and its down plain for the VNNI GEMM; a call runs `fused_moe_ref`'s loop
+    packed gated and its down plain for the VNNI GEMM. SiLU-gated experts without biases or
+    act-order, all packed alike, run in ONE C++ call (`csrc/qmoe.h`: every expert's packs
+    stacked, the per-expert packs views of the stacks); the others run `fused_moe_ref`'s loop
     (experts in id order over their rows by slot then token, weighted rows summed in float32)
-    with these GEMMs, the SiLU in the gated epilogue where there is no bias."""
+    with these GEMMs, the SiLU in the gated epilogue where there is no bias. The two are
+    bit-equal where both apply."""
 
     packed = True  # the layer may drop its float copies
 
@@ -131,6 +134,22 @@ class QuantFusedMoE:
         self.w2 = [QuantPackedWeight(w) for w in w2]
         self.w13_bias, self.w2_bias, self.expert_map = w13_bias, w2_bias, expert_map
         self.activation, self.alpha, self.limit = activation, alpha, limit
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # (w13, w2) [E, ...]
+        if self._one_call():
+            self.stacked = tuple(torch.stack([w.data for w in packs])
+                                 for packs in (self.w13, self.w2))
+            for stack, packs in zip(self.stacked, (self.w13, self.w2), strict=True):
+                for e, w in enumerate(packs):
+                    w.data = stack[e]  # (a view: the loop's packs take no memory of their own)
+        self.map32 = (None if expert_map is None
+                      else expert_map.to(torch.int32).contiguous())  # [E_global]
+
+    def _one_call(self) -> bool:
+        """Whether `csrc/qmoe.h` takes these experts."""
+        return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
+                and all(w.perm is None for w in (*self.w13, *self.w2))
+                and all(len({w.data.shape for w in packs}) == 1
+                        for packs in (self.w13, self.w2)))
 
     @staticmethod
     def supports(w13: list[IntWeight], w2: list[IntWeight]) -> bool:
@@ -139,6 +158,15 @@ class QuantFusedMoE:
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.bfloat16).contiguous()
+        if self.stacked is not None:
+            return _module().qfused_moe(
+                x, *self.stacked, topk_weights.to(torch.float32).contiguous(),
+                topk_ids.to(torch.int64).contiguous(), self.map32, self.w2[0].in_features)
+        return self.loop(x, topk_weights, topk_ids)
+
+    def loop(self, x: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts one GEMM call each, in Python (x: contiguous bf16)."""
         local = local_slots(topk_ids, self.expert_map)  # [T, k]
         out = torch.zeros(x.shape, dtype=torch.float32)  # [T, H]
         for e in torch.unique(local[local >= 0]).tolist():

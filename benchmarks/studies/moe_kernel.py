@@ -1,8 +1,11 @@
 """aserve's CPU bf16 fused MoE (`aserve/kernels/cpu_moe.py`) beside the dense per-expert loop it
-replaces, on Mixtral-shaped MoE layers scaled to this machine; one JSON line.
+replaces, on Mixtral-shaped MoE layers scaled to this machine; one JSON line. With `--int 4`
+(or 8), the same experts as integers in groups of 32 too (`cpu_qgemm.QuantFusedMoE`): its one
+C++ call (`int_fused`) and its per-expert loop (`int_loop`).
 
     python benchmarks/studies/moe_kernel.py [--hidden 1024 --intermediate 2816 --experts 8
                                             --top-k 2 --layers 4 --tokens 1,8,64,256]
+                                            [--int 4]
 
 The dense loop is the engine's best path without the fused op: a `PackedWeight` per expert
 (gate_up packed gated, silu in its epilogue; down plain), all in huge pages, with torch's gather
@@ -51,13 +54,28 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", default="1,8,64,256")
+    ap.add_argument("--int", type=int, choices=(4, 8), default=None,
+                    help="also the experts as integers of these bits (groups of 32)")
     args = ap.parse_args()
 
     import torch
 
     from aserve.kernels import cpu_gemm
     from aserve.kernels.cpu_moe import CpuFusedMoE
+    from aserve.kernels.cpu_qgemm import QuantFusedMoE
     from aserve.kernels.moe import select_experts
+    from aserve.quantization.int_weights import IntWeight
+
+    def int_experts(w: torch.Tensor, bits: int) -> list[IntWeight]:
+        """Each expert's [N, K] rows quantized asymmetrically in groups of 32."""
+        out = []
+        for x in w.float():
+            g = x.reshape(x.shape[0], -1, 32)
+            low, high = g.amin(-1), g.amax(-1)
+            scale = ((high - low) / (2**bits - 1)).clamp_min(1e-8)
+            q = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 2**bits - 1)
+            out.append(IntWeight(q.to(torch.uint8).reshape(x.shape), scale, low, 32, bits))
+        return out
 
     if not cpu_gemm.available():
         print(json.dumps({"benchmark": "moe_kernel", "error": "no AVX512-BF16 build here"}))
@@ -73,6 +91,10 @@ def main() -> int:
         down = [cpu_gemm.PackedWeight(w2[x]) for x in range(e)]
         cpu_gemm.gather_in_huge_pages([w for pair in zip(gate_up, down) for w in pair])
         kernels["dense"].append(dense_loop(gate_up, down))
+        if args.int:
+            moe = QuantFusedMoE(*(int_experts(w, args.int) for w in (w13, w2)))
+            kernels.setdefault("int_fused", []).append(moe)
+            kernels.setdefault("int_loop", []).append(moe.loop)
         del w13, w2
     expert_bytes = 2 * 3 * i * h
     report: dict = {"benchmark": "moe_kernel", "threads": torch.get_num_threads(),
@@ -92,12 +114,20 @@ def main() -> int:
                     seconds = best_time(step, min_repeats=3, budget_s=0.3)
                     ms[name] = min(ms[name], 1e3 * seconds / args.layers)
             routed = torch.unique(ids).numel()
-            report["tokens"][str(tokens)] = {
+            row = report["tokens"][str(tokens)] = {
                 "fused_ms": round(ms["fused"], 3), "dense_ms": round(ms["dense"], 3),
                 "ratio": round(ms["dense"] / ms["fused"], 2), "experts_routed": routed,
                 "fused_weight_gb_per_s": round(routed * expert_bytes / ms["fused"] / 1e6, 1),
                 "bit_equal": bool(torch.equal(kernels["fused"][0](*inputs),
                                               kernels["dense"][0](*inputs)))}
+            if args.int:
+                row.update({
+                    "int_fused_ms": round(ms["int_fused"], 3),
+                    "int_loop_ms": round(ms["int_loop"], 3),
+                    "int_loop_over_fused": round(ms["int_loop"] / ms["int_fused"], 2),
+                    "int_fused_over_bf16_fused": round(ms["int_fused"] / ms["fused"], 2),
+                    "int_bit_equal": bool(torch.equal(kernels["int_fused"][0](*inputs),
+                                                      kernels["int_loop"][0](*inputs)))})
     print(json.dumps(report))
     return 0
 

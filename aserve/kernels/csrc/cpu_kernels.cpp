@@ -23,6 +23,7 @@
 #include "qgemm.h"
 #include "decoder_layer.h"
 #include "moe.h"
+#include "qmoe.h"
 // clang-format on
 
 #define ASERVE_DEF(name) m.def(#name, torch::wrap_pybind_function_no_gil(name), #name)
@@ -48,6 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(qgemm_linear);
   ASERVE_DEF(decoder_layer);
   ASERVE_DEF(fused_moe);
+  ASERVE_DEF(qfused_moe);
   // A class, so its method cannot go through wrap_pybind_function_no_gil: the GIL is released
   // the same way, and a TORCH_CHECK failure reaches Python as a RuntimeError.
   py::class_<DecoderStack>(m, "DecoderStack")
