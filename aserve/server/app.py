@@ -135,6 +135,7 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
             Route("/version", version, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
             Route("/v1/models", routes.list_models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"]),
             Route("/tokenize", routes.tokenize, methods=["POST"]),
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),

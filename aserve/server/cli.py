@@ -5,9 +5,12 @@
     python -m aserve --model /path/to/model.gguf       # a GGUF file, or
     python -m aserve --model org/name                  # a Hugging Face hub id (cache first)
     python -m aserve --model M --prompt "Hello"        # generate offline and print, no server
+    aserve serve M  |  aserve M                        # vLLM's habits: the model positional
 
-Every `EngineArgs` field is a flag of the same name (`max_num_seqs` -> `--max-num-seqs`); the
-frontend's own settings (`--host`, `--api-key`, ...) fill a `ServerConfig`. SIGINT or SIGTERM
+Every `EngineArgs` field is a flag of the same name (`max_num_seqs` -> `--max-num-seqs`), and
+vLLM's names of the same knobs are aliases (`--kv-cache-memory-bytes`,
+`--num-gpu-blocks-override`); the frontend's own settings (`--host`, `--api-key`, ...) fill a
+`ServerConfig`. SIGINT or SIGTERM
 stops the server gracefully (in-flight requests get `--shutdown-timeout` seconds, then are
 aborted) and the process exits 0; `launch.py` runs the app.
 
@@ -136,6 +139,9 @@ ENGINE_HELP = {
 
 
 SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+# vLLM's flags for the same knobs, so that its command lines run unchanged
+VLLM_FLAGS = {"kv_cache_memory": ("--kv-cache-memory-bytes",),
+              "num_kv_blocks": ("--num-gpu-blocks-override",)}
 
 
 class UsageError(Exception):
@@ -181,7 +187,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if default is not None and default != "" and "default:" not in help_text:
             help_text += f" (default: {default})"
         kind = _flag_type(f.name, f.type)
-        flags = [flag, *SHORT_FLAGS.get(f.name, ())]
+        flags = [flag, *SHORT_FLAGS.get(f.name, ()), *VLLM_FLAGS.get(f.name, ())]
         if kind is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default,
                                help=help_text)
@@ -255,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m aserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"aserve {aserve.__version__}")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model takes it (vLLM's `vllm serve MODEL`)")
     add_engine_args(parser)
     add_server_args(parser)
     add_offline_args(parser)
@@ -367,8 +375,27 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------- main
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, `serve` first or not (`aserve serve MODEL ...`, as `vllm serve`), the
+    model positional or `--model`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
     ns = build_parser().parse_args(argv)
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise UsageError(f"two models: {ns.model_tag!r} and --model {ns.model!r}; give "
+                             "one")
+        ns.model = ns.model_tag
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        ns = parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         model = ns.model or DEFAULT_MODEL
         ns.model = resolve_model(model)

@@ -1,4 +1,5 @@
-"""Prometheus metrics under the names vLLM users' dashboards know, prefixed `aserve:`.
+"""Prometheus metrics under the names vLLM users' dashboards know, prefixed `aserve:` and again
+`vllm:` (the same families, so that vLLM's Grafana dashboards and alerts find them unchanged).
 
 Engine gauges and totals (running, waiting, KV-cache usage, prefix-cache queries and hits,
 preemptions; with a KV connector, its queries and hits, failed loads, bytes and seconds moved;
@@ -25,6 +26,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 RECENT_LATENCIES = 1000  # samples of each latency kept for the dashboard's percentiles
+VLLM_PREFIX = b"vllm:"  # every family is also rendered under vLLM's prefix
 
 
 class _EngineStatsCollector(Collector):
@@ -148,7 +150,9 @@ class ServerMetrics:
         return RequestTracker(self, num_prompt_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text, each family under `aserve:` and then under `vllm:`."""
+        text = generate_latest(self.registry)
+        return text + text.replace(b"aserve:", VLLM_PREFIX)
 
     def counter_totals(self) -> dict[str, float]:
         """The counters `/metrics` shows now, by sample name (`aserve:generation_tokens_total`),

@@ -10,6 +10,7 @@ checked by the models themselves.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,10 @@ OPERATIONS = {
         media_type="application/octet-stream", parameters=[{
             "name": "path", "in": "path", "required": True, "schema": {"type": "string"}}]),
     "/v1/models": Operation("The served model.", response=responses.ModelList, errors=(503,)),
+    "/v1/models/{model_id}": Operation(
+        "The served model's card, by its id (404: not served here).",
+        response=responses.ModelCard, errors=(404, 503), parameters=[{
+            "name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]),
     "/tokenize": Operation("Tokenize a prompt, or chat messages rendered by the chat template.",
                            protocol.TokenizeRequest, responses.TokenizeResponse,
                            errors=BODY_ERRORS),
@@ -164,8 +169,9 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> list[tuple[str, list[s
             found.append((path + "/{path}", ["GET"]))
         elif isinstance(route, Mount):
             found += _routes(route.routes, path)
-        elif getattr(route, "methods", None):
-            found.append((path, sorted(m for m in route.methods if m != "HEAD")))
+        elif getattr(route, "methods", None):  # ({id:path} is OpenAPI's {id})
+            found.append((re.sub(r"\{(\w+):\w+\}", r"{\1}", path),
+                          sorted(m for m in route.methods if m != "HEAD")))
     return found
 
 

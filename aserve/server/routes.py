@@ -23,13 +23,24 @@ from aserve.server.responses import (
 from aserve.server.serving import check_model, parse_body, running_engine, server_state
 
 
-async def list_models(request: Request) -> Response:
+def _model_card(request: Request) -> ModelCard:
     state = server_state(request)
     engine = running_engine(request)
-    card = ModelCard(id=state.model_name, root=model_source(state.engine_args.model),
+    return ModelCard(id=state.model_name, root=model_source(state.engine_args.model),
                      max_model_len=engine.model_info.max_model_len,
                      quantization=engine.model_info.quantization)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse(ModelList(data=[_model_card(request)]).model_dump())
+
+
+async def retrieve_model(request: Request) -> Response:
+    """`GET /v1/models/{id}` (the id may hold slashes: `org/name`): the served model's card,
+    else 404."""
+    model_id = request.path_params["model_id"]
+    check_model(request, model_id)
+    return JSONResponse(_model_card(request).model_dump())
 
 
 async def tokenize(request: Request) -> Response:

@@ -13,7 +13,7 @@ import pytest
 from helpers.server import free_port, wait_healthy
 
 from aserve.engine.arg_utils import EngineArgs
-from aserve.server.cli import build_parser, engine_args_from, server_config_from
+from aserve.server.cli import build_parser, engine_args_from, main, parse_args, server_config_from
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None,
@@ -131,3 +131,22 @@ def test_kv_cache_memory_rejects_a_size_it_cannot_read(capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["--kv-cache-memory", "4 parsecs"])
     assert exit_info.value.code == 2 and "not a size in bytes" in capsys.readouterr().err
+
+
+def test_vllm_command_lines_parse_the_same():
+    """`aserve serve MODEL` / `aserve MODEL` and vLLM's flag names for the same knobs."""
+    ns = parse_args(["serve", "org/name", "--kv-cache-memory-bytes", "1GiB",
+                     "--num-gpu-blocks-override", "7", "-tp", "2"])
+    args = engine_args_from(ns)
+    assert (args.model, args.kv_cache_memory, args.num_kv_blocks,
+            args.tensor_parallel_size) == ("org/name", 2**30, 7, 2)
+    assert parse_args(["some/dir", "--port", "9"]).model == "some/dir"
+    assert parse_args(["--port", "9", "some/dir"]).model == "some/dir"
+    assert parse_args(["serve", "--model", "m", "m"]).model == "m"  # the same, twice
+    assert parse_args(["serve"]).model is None  # the demo model
+
+
+def test_two_different_models_are_one_error_line_and_exit_2(capsys):
+    assert main(["serve", "one", "--model", "two"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "two models" in err

@@ -23,6 +23,27 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in models.data] == ["tiny"]
 
 
+def test_models_retrieve_gives_the_card_or_404(client):
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    assert card.model_dump()["max_model_len"] == client.models.list().data[0].max_model_len
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("org/other-model")  # (an id with a slash reaches the route)
+    assert err.value.body["param"] == "model" and "org/other-model" in err.value.message
+
+
+def test_metrics_are_also_under_vllm_names(client, server_url):
+    """vLLM's dashboards read `vllm:` families: each `aserve:` one is there too, same values."""
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    text = httpx.get(f"{server_url}/metrics").text
+    ours = {line.split(" ")[0][len("aserve:"):]: line.split(" ")[-1]
+            for line in text.splitlines() if line.startswith("aserve:")}
+    theirs = {line.split(" ")[0][len("vllm:"):]: line.split(" ")[-1]
+              for line in text.splitlines() if line.startswith("vllm:")}
+    assert ours == theirs and 'generation_tokens_total{model_name="tiny"}' in theirs
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+
+
 def test_completion_non_streaming_and_streaming_agree(client):
     kwargs = dict(model="tiny", prompt="Hello! How are you?", max_tokens=20, temperature=0,
                   extra_body={"ignore_eos": True})
