@@ -4,12 +4,12 @@ or a server-sent-event stream of deltas."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from aserve.engine.outputs import Logprob, RequestOutput
+from aserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from aserve.server.protocol import (
     CompletionRequest,
     make_id,
@@ -89,6 +89,16 @@ class CompletionView:
         ids = generation.prompt.prompt_token_ids
         return self.prompt_text(generation), ids, list(prompt_logprobs or [None] * len(ids))
 
+    def generated(self, delta: CompletionOutput) -> CompletionOutput:
+        """What of a delta the response shows: all of it, or with `max_tokens: 0` none of the
+        token the engine decoded (`CompletionRequest.scores_only`): the choice ends at the
+        prompt, for its length."""
+        if not self.body.scores_only:
+            return delta
+        ended = delta.finish_reason in ("stop", "length")  # (an abort stays one)
+        return replace(delta, text="", token_ids=[], logprobs=None, stop_reason=None,
+                       finish_reason="length" if ended else delta.finish_reason)
+
     def logprobs_of(self, token_ids, logprobs, offset: int):
         if self.body.logprobs is None:
             return None
@@ -100,7 +110,7 @@ class CompletionView:
         for gi, (generation, outputs) in enumerate(zip(generations, results)):
             assembled = [Choice() for _ in range(self.n)]
             for output in outputs:
-                for delta in output.outputs:
+                for delta in map(self.generated, output.outputs):
                     choice = assembled[delta.index]
                     choice.text += delta.text
                     choice.token_ids += delta.token_ids
@@ -134,7 +144,7 @@ class CompletionView:
         async for gi, output in merged_outputs(generations):
             if output.prompt_logprobs is not None:
                 prompt_logprobs[gi] = output.prompt_logprobs
-            for delta in output.outputs:
+            for delta in map(self.generated, output.outputs):
                 index = gi * self.n + delta.index
                 text, ids = delta.text, delta.token_ids
                 logprobs = delta.logprobs or [None] * len(ids)

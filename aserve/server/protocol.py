@@ -180,9 +180,9 @@ class CompletionRequest(_GenerationRequest):
     """`POST /v1/completions`."""
 
     prompt: PromptInput
-    max_tokens: PositiveInt | None = 16
+    echo: bool | None = False  # (before max_tokens, whose check reads it)
+    max_tokens: NonNegativeInt | None = 16  # 0: with echo, the prompt scored, nothing made
     logprobs: LogprobCount | None = None
-    echo: bool | None = False
     suffix: None = None  # unsupported: refused (the types here say so to the OpenAPI schema)
     best_of: PositiveInt | None = None
     add_special_tokens: bool = True
@@ -219,6 +219,23 @@ class CompletionRequest(_GenerationRequest):
                              f"n={_or(info.data.get('n'), 1)} is not supported.")
         return value
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_tokens_only_to_score(cls, value: Any, info: ValidationInfo) -> Any:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be greater than 0, or 0 with echo (the prompt "
+                             "echoed and scored, nothing generated)")
+        if value == 0 and _or(info.data.get("min_tokens"), 0) > 0:
+            raise ValueError(f"max_tokens=0 is less than min_tokens="
+                             f"{info.data.get('min_tokens')}")
+        return value
+
+    @property
+    def scores_only(self) -> bool:
+        """`max_tokens: 0` with `echo`: the prompt and its logprobs, no completion (the
+        engine decodes the one token its prefill gives, which the response leaves out)."""
+        return self.max_tokens == 0
+
     @model_validator(mode="after")
     def _kv_transfer_params_for_one_prompt(self) -> CompletionRequest:
         if self.kv_transfer_params is not None and not _is_single_prompt(self.prompt):
@@ -239,7 +256,8 @@ class CompletionRequest(_GenerationRequest):
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
         kwargs = self._sampling_kwargs() | dict(prompt_logprobs=prompt_logprobs)
-        return SamplingParams(**kwargs, max_tokens=self.max_tokens, logprobs=self.logprobs)
+        return SamplingParams(**kwargs, max_tokens=1 if self.scores_only else self.max_tokens,
+                              logprobs=self.logprobs)
 
 
 Messages = Annotated[list["ChatMessage"], Field(min_length=1, max_length=MAX_CHAT_MESSAGES)]

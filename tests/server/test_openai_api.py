@@ -174,3 +174,28 @@ def test_echo_with_logprobs_and_n_gives_every_choice_the_prompt_once(server_url,
                 single["token_logprobs"][:prompt_len], abs=1e-4)
         assert lp["token_logprobs"][0] is None  # the first prompt token has no logprob
         assert all(x is not None for x in lp["token_logprobs"][1:])
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client):
+    """lm-eval's loglikelihood path: the prompt echoed with its tokens' logprobs, nothing
+    generated, streamed or not; the logprobs are those of a generating request's echo; without
+    echo, max_tokens 0 is a 400 naming the field."""
+    prompt = "The capital of France is Paris"
+    kwargs = dict(model="tiny", prompt=prompt, echo=True, logprobs=1, temperature=0)
+    scored = client.completions.create(**kwargs, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == scored.usage.prompt_tokens
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    generating = client.completions.create(**kwargs, max_tokens=3).choices[0].logprobs
+    assert generating.token_logprobs[:len(lp.tokens)] == lp.token_logprobs
+    chunks = list(client.completions.create(**kwargs, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompt
+    assert chunks[-1].choices[0].finish_reason == "length"
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert "max_tokens" in err.value.message

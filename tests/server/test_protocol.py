@@ -77,6 +77,8 @@ def chat(**fields) -> dict:
 BAD_COMPLETIONS = {
     "max_tokens_not_int": ({"max_tokens": "ten"}, "max_tokens", "valid integer"),
     "max_tokens_zero": ({"max_tokens": 0}, "max_tokens", "greater than"),
+    "max_tokens_zero_below_min_tokens": ({"max_tokens": 0, "echo": True, "min_tokens": 2},
+                                         "max_tokens", "min_tokens=2"),
     "temperature_not_number": ({"temperature": "hot"}, "temperature", "valid number"),
     "temperature_negative": ({"temperature": -0.5}, "temperature", "greater than"),
     "n_zero": ({"n": 0}, "n", "greater than or equal to 1"),
