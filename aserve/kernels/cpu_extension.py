@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -66,20 +67,45 @@ def load():
     asks, so the answer comes from `_built` once known."""
     if EXTENSION in _built:
         return _built[EXTENSION]
-    import torch
     from torch.utils.cpp_extension import load as load_extension
 
     _put_ninja_on_path()
-    cflags = ["-O3", "-march=native", "-fopenmp", *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
-    key = hashlib.sha256(_sources_digest() + (_cpu_flags() + torch.__version__
-                                              + " ".join(cflags)).encode()).hexdigest()[:12]
+    name, cflags = build_name()
+    cached = _is_built(name)
+    if not cached:  # the first start says why it is slow (the server's log shows INFO)
+        logger.info("Compiling aserve's C++ CPU kernels for this CPU, once (about a minute; "
+                    "then cached by torch's extension loader) ...")
+    start = time.monotonic()
     try:
         module = load_extension(
-            name=f"{EXTENSION}_{key}", sources=[str(TRANSLATION_UNIT)],
+            name=name, sources=[str(TRANSLATION_UNIT)],
             extra_include_paths=[str(CSRC)], extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - no compiler / ninja: the references still work
         module = None
         logger.warning("The C++ CPU extension %s could not be built (%s); using the torch "
                        "references instead.", EXTENSION, e)
+    if module is not None and not cached:
+        logger.info("Compiled aserve's C++ CPU kernels in %.0f s.", time.monotonic() - start)
     _built[EXTENSION] = module
     return module
+
+
+def build_name() -> tuple[str, list[str]]:
+    """The build's name (keyed by the sources, this CPU's flags, torch's version and the
+    compiler flags) and its compiler flags."""
+    import torch
+
+    cflags = ["-O3", "-march=native", "-fopenmp", *os.environ.get(EXTRA_CFLAGS_ENV, "").split()]
+    key = hashlib.sha256(_sources_digest() + (_cpu_flags() + torch.__version__
+                                              + " ".join(cflags)).encode()).hexdigest()[:12]
+    return f"{EXTENSION}_{key}", cflags
+
+
+def _is_built(name: str) -> bool:
+    """Whether torch's loader has a build of `name` already (then it only loads it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    try:
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    except Exception:  # noqa: BLE001 - a private helper: at worst the message is left out
+        return True

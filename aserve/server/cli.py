@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import re
 import signal
@@ -356,6 +357,9 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=ns.shutdown_timeout + ABORT_MARGIN_S,
                             **limits.uvicorn_options())
     log_filter = configure_logging(ns.uvicorn_log_level)
+    logging.getLogger("aserve").info(  # at once: loading takes seconds, a first start more
+        "aserve %s: loading %s (%s) ...", aserve.__version__, app.state.aserve.model_name,
+        engine_args.model)
     raise_fd_limit(limits.max_connections)
     try:
         sock = bind(ns.host, ns.port)
