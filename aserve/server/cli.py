@@ -358,8 +358,7 @@ def serve(engine_args: EngineArgs, ns: argparse.Namespace) -> int:
                             **limits.uvicorn_options())
     log_filter = configure_logging(ns.uvicorn_log_level)
     logging.getLogger("aserve").info(  # at once: loading takes seconds, a first start more
-        "aserve %s: loading %s (%s) ...", aserve.__version__, app.state.aserve.model_name,
-        engine_args.model)
+        "loading %s (%s) ...", app.state.aserve.model_name, engine_args.model)
     raise_fd_limit(limits.max_connections)
     try:
         sock = bind(ns.host, ns.port)
