@@ -5,8 +5,9 @@ sits in a `try` that catches ImportError, so the package imports and serves with
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
