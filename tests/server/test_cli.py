@@ -150,3 +150,14 @@ def test_two_different_models_are_one_error_line_and_exit_2(capsys):
     assert main(["serve", "one", "--model", "two"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "two models" in err
+
+
+def test_runs_from_the_folder_that_holds_a_clone_named_aserve(tmp_path):
+    """There `aserve` is first the clone's folder (a namespace package): `python -m aserve`
+    still runs the installed package."""
+    (tmp_path / "aserve").mkdir()  # a clone: no __init__.py at its top
+    (tmp_path / "aserve" / "README.md").write_text("a clone\n")
+    out = subprocess.run([sys.executable, "-m", "aserve", "--version"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("aserve ")
