@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -56,10 +57,14 @@ def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp
 @pytest.mark.slow
 @pytest.mark.spawns
 def test_without_a_model_it_serves_the_built_in_demo_model():
-    """The README's first command: `python -m aserve`, then a curl to /v1/completions."""
+    """The README's first command: `python -m aserve`, then a curl to /v1/completions. The
+    first thing it says is that it is loading the model, the banner comes once it serves."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "aserve", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)
@@ -74,6 +79,11 @@ def test_without_a_model_it_serves_the_built_in_demo_model():
         assert chat["choices"][0]["message"]["content"].strip()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+        reader.join(timeout=10)
+        said = [line for line in lines if "aserve" in line]
+        assert "loading aserve-demo" in said[0], lines
+        banner = next(i for i, line in enumerate(said) if "serving aserve-demo on" in line)
+        assert banner > 0
     finally:
         if proc.poll() is None:
             proc.kill()
