@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from aserve.runner.spec_eagle import EagleDrafter
+
 HEAD_STD = 0.3
 
 
@@ -208,3 +210,19 @@ class EagleReference:
             ids.append(token)
             hidden = torch.cat([hidden, carry[-1:]], 0)
         return drafts
+
+
+def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, the drafts proposed to follow them) at every proposal of the
+    served EAGLE head in this process (rank 0's), appended as they happen."""
+    seen: list[tuple[list[int], list[int]]] = []
+    original = EagleDrafter.propose
+
+    def propose(self, states, *args):
+        drafts, passes, seconds = original(self, states, *args)
+        by_id = {s.req_id: s for s in states}
+        seen.extend((list(by_id[r].all_token_ids), d) for r, d in drafts.items())
+        return drafts, passes, seconds
+
+    monkeypatch.setattr(EagleDrafter, "propose", propose)
+    return seen

@@ -12,12 +12,11 @@ import random
 
 import pytest
 import torch
-from helpers.eagle_heads import EagleReference, make_eagle_head
+from helpers.eagle_heads import EagleReference, make_eagle_head, record_drafts
 from helpers.hf_models import hf_greedy, make_hf_model
 
 from aserve import LLM, SamplingParams
 from aserve.config import SpeculativeConfigError
-from aserve.runner.spec_eagle import EagleDrafter
 
 K = 3
 AUX = [0, 2, 3]  # (layer 0's input: the embedding, to cover the stream before any layer)
@@ -47,21 +46,6 @@ def heads(tmp_path_factory, target):
 def prompts() -> list[list[int]]:
     rng = random.Random(5)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 11, 19, 30)]
-
-
-def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """(the request's tokens, the drafts proposed to follow them) at every proposal."""
-    seen: list[tuple[list[int], list[int]]] = []
-    original = EagleDrafter.propose
-
-    def propose(self, states, *args):
-        drafts, passes, seconds = original(self, states, *args)
-        by_id = {s.req_id: s for s in states}
-        seen.extend((list(by_id[r].all_token_ids), d) for r, d in drafts.items())
-        return drafts, passes, seconds
-
-    monkeypatch.setattr(EagleDrafter, "propose", propose)
-    return seen
 
 
 @pytest.mark.parametrize("settings", [

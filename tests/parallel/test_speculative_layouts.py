@@ -11,11 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.eagle_heads import EagleReference, make_eagle_head
+from helpers.eagle_heads import EagleReference, make_eagle_head, record_drafts
 from helpers.hf_models import hf_greedy, make_hf_model
 
 from aserve import LLM, SamplingParams
-from aserve.runner.spec_eagle import EagleDrafter
 
 K = 3
 AUX = [0, 2, 3]  # with PP=2 over 4 layers: layer 0's stream on stage 0, layers 2 and 3 on 1
@@ -43,20 +42,6 @@ def targets(tmp_path_factory):
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 12, 21)]
-
-
-def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    seen: list[tuple[list[int], list[int]]] = []
-    original = EagleDrafter.propose
-
-    def propose(self, states, *args):
-        drafts, passes, seconds = original(self, states, *args)
-        by_id = {s.req_id: s for s in states}
-        seen.extend((list(by_id[r].all_token_ids), d) for r, d in drafts.items())
-        return drafts, passes, seconds
-
-    monkeypatch.setattr(EagleDrafter, "propose", propose)
-    return seen
 
 
 def generate(target, spec: dict, layout: dict, **settings) -> tuple[list[list[int]], object]:

@@ -64,6 +64,32 @@ static MoeRoute moe_route(const int64_t* ids, int64_t T, int64_t k, const int32_
   return r;
 }
 
+// What every MoE call checks of its routing inputs (errors prefixed by `name`): x a contiguous
+// bf16 [T, H], topk_weights float32 and topk_ids int64, both [T, k] with k <= kMaxTopK,
+// expert_map (global id -> local index or -1) contiguous int32 or absent.
+static void check_moe_inputs(const char* name, const torch::Tensor& x,
+                             const torch::Tensor& topk_weights, const torch::Tensor& topk_ids,
+                             const c10::optional<torch::Tensor>& expert_map) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, name,
+              ": x must be a contiguous bf16 [T, H]");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.scalar_type() == at::kLong &&
+                  topk_ids.is_contiguous() && topk_weights.scalar_type() == at::kFloat &&
+                  topk_weights.is_contiguous() && topk_weights.sizes() == topk_ids.sizes() &&
+                  topk_ids.size(0) == x.size(0) && topk_ids.size(1) <= kMaxTopK,
+              name, ": topk_weights float32 and topk_ids int64, both [T, k], k <= 64");
+  TORCH_CHECK(!expert_map.has_value() ||
+                  (expert_map->scalar_type() == at::kInt && expert_map->is_contiguous()),
+              name, ": expert_map is contiguous int32");
+}
+
+// moe_route over checked inputs (check_moe_inputs) and E local experts.
+static MoeRoute route_of(const torch::Tensor& topk_ids,
+                         const c10::optional<torch::Tensor>& expert_map, int64_t E) {
+  return moe_route(topk_ids.data_ptr<int64_t>(), topk_ids.size(0), topk_ids.size(1),
+                   expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr,
+                   expert_map.has_value() ? expert_map->numel() : E, E);
+}
+
 // One panel of one expert over up to kRowBlock of its rows.
 struct MoeTask {
   int64_t e, p, m0, rows;
@@ -146,13 +172,7 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
                         torch::Tensor topk_ids, c10::optional<torch::Tensor> expert_map,
                         int64_t I, const std::string& activation, double alpha, double limit) {
   TORCH_CHECK(gemm_supported(), "fused_moe: built without AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "fused_moe: x must be a contiguous bf16 [T, H]");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.scalar_type() == at::kLong &&
-                  topk_ids.is_contiguous() && topk_weights.scalar_type() == at::kFloat &&
-                  topk_weights.is_contiguous() && topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_ids.size(0) == x.size(0) && topk_ids.size(1) <= kMaxTopK,
-              "fused_moe: topk_weights float32 and topk_ids int64, both [T, k], k <= 64");
+  check_moe_inputs("fused_moe", x, topk_weights, topk_ids, expert_map);
   const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), k = topk_ids.size(1);
   TORCH_CHECK(w13.dim() == 6 && w2.dim() == 6 && w2.size(0) == E && w13.size(2) * 2 == H &&
                   w2.size(2) * 2 == I && w13.size(1) * kHalf >= I && w2.size(1) * kPanel >= H &&
@@ -162,18 +182,12 @@ torch::Tensor fused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
     TORCH_CHECK(!b.has_value() || (b->scalar_type() == at::kBFloat16 && b->is_contiguous() &&
                                    b->numel() == E * n),
                 "fused_moe: biases are contiguous bf16 [E, 2I] and [E, H]");
-  TORCH_CHECK(!expert_map.has_value() ||
-                  (expert_map->scalar_type() == at::kInt && expert_map->is_contiguous()),
-              "fused_moe: expert_map is contiguous int32");
   const int epilogue = activation == "silu"        ? kGatedSilu
                        : activation == "gelu_tanh" ? kGatedGelu
                        : activation == "swiglu_oai" ? kGatedSwiglu
                                                     : -1;
   TORCH_CHECK(epilogue >= 0, "fused_moe: unknown activation ", activation);
-  const MoeRoute r = moe_route(
-      topk_ids.data_ptr<int64_t>(), T, k,
-      expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr,
-      expert_map.has_value() ? expert_map->numel() : E, E);
+  const MoeRoute r = route_of(topk_ids, expert_map, E);
   const int64_t rows = r.start[E];
   if (rows == 0) return torch::zeros({T, H}, x.options());
   auto out = torch::empty({T, H}, x.options());

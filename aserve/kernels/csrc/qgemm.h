@@ -287,6 +287,11 @@ static const QTile kQTiles[3][2][4][kQRows + 1] = {
 #undef ASERVE_QTILES_G
 #undef ASERVE_QTILES
 
+// The tiles (by rows, 1..kQRows) of a layout and an epilogue.
+static inline const QTile* qtiles(const QuantLayout& L, int epilogue) {
+  return kQTiles[L.group == 16 ? 1 : L.group == 32 ? 2 : 0][L.bits == 8][epilogue];
+}
+
 #endif
 
 // gemm_linear's contract for a packed quantized weight: y = x [M, K] @ W^T, epilogue 0 (plain,
@@ -312,8 +317,7 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   char* c = static_cast<char*>(call.y.data_ptr());
   const int64_t item = call.y.element_size();
-  const int fixed = L.group == 16 ? 1 : L.group == 32 ? 2 : 0;
-  const QTile* tiles = kQTiles[fixed][L.bits == 8][epilogue];
+  const QTile* tiles = qtiles(L, epilogue);
   const int64_t panel_bytes = L.groups * L.group_bytes;
   for_each_panel_task(
       call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,

@@ -25,6 +25,36 @@
 #include "moe.h"
 #include "qgemm.h"
 
+#ifdef ASERVE_QGEMM
+// Rows quantized as qgemm_linear quantizes them: q int8 [rows, K], scales and sums float
+// [rows, groups of the weight's layout].
+struct QuantRows {
+  const int8_t* q;
+  const float *scales, *sums;
+  int64_t K;
+};
+
+// out [rows, ldc] bf16 = each expert's rows of `a` @ its packed weight (w: [E, panels, L's
+// groups x group bytes]), over moe.h's (expert, panel, row block) tasks; `width` outputs a
+// panel (kHalf gated, kPanel plain), `ldc` outputs in all; epilogue kGatedSilu or kPlain.
+static void qmoe_gemm(const MoeRoute& r, const QuantRows& a, const uint8_t* w, int64_t panels,
+                      const QuantLayout& L, int epilogue, int64_t width, at::BFloat16* out,
+                      int64_t ldc) {
+  const QTile* tiles = qtiles(L, epilogue);
+  const int64_t panel_bytes = L.groups * L.group_bytes;
+  for_each_task(moe_tasks(r, panels), [&](const MoeTask& t) {
+    TileEpilogue ep;
+    ep.d = epilogue == kGatedSilu ? ldc : 0;
+    const int64_t cols = std::min(width, ldc - t.p * width);
+    for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
+      tiles[std::min(kQRows, t.m0 + t.rows - m)](
+          a.q + m * a.K, a.K, a.scales + m * L.groups, a.sums + m * L.groups, L.groups,
+          w + (t.e * panels + t.p) * panel_bytes, L.group, L.group_bytes,
+          out + m * ldc + t.p * width, ldc, cols, ep);
+  });
+}
+#endif
+
 // x [T, H] bf16; w13 uint8 [E, panels, H / G13, group bytes] (qgemm_pack gated, per expert),
 // w2 uint8 [E, panels, I / G2, group bytes] (plain); topk_weights [T, k] float32, topk_ids
 // [T, k] int64 global ids, expert_map [num_global] int32 or absent -> [T, H] bf16.
@@ -32,13 +62,7 @@ torch::Tensor qfused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
                          torch::Tensor topk_weights, torch::Tensor topk_ids,
                          c10::optional<torch::Tensor> expert_map, int64_t I) {
   TORCH_CHECK(qgemm_supported(), "qfused_moe: built without AVX512-VNNI and BF16");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "qfused_moe: x must be a contiguous bf16 [T, H]");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.scalar_type() == at::kLong &&
-                  topk_ids.is_contiguous() && topk_weights.scalar_type() == at::kFloat &&
-                  topk_weights.is_contiguous() && topk_weights.sizes() == topk_ids.sizes() &&
-                  topk_ids.size(0) == x.size(0) && topk_ids.size(1) <= kMaxTopK,
-              "qfused_moe: topk_weights float32 and topk_ids int64, both [T, k], k <= 64");
+  check_moe_inputs("qfused_moe", x, topk_weights, topk_ids, expert_map);
   const int64_t T = x.size(0), H = x.size(1), k = topk_ids.size(1);
   TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(0) > 0 && w2.size(0) == w13.size(0) &&
                   w13.scalar_type() == at::kByte && w2.scalar_type() == at::kByte &&
@@ -49,23 +73,16 @@ torch::Tensor qfused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
                   panels2 * kPanel >= H && (panels2 - 1) * kPanel < H,
               "qfused_moe: packed weights of H = ", H, ", I = ", I);
   const QuantLayout L13 = quant_layout(w13[0], H), L2 = quant_layout(w2[0], I);
-  TORCH_CHECK(!expert_map.has_value() ||
-                  (expert_map->scalar_type() == at::kInt && expert_map->is_contiguous()),
-              "qfused_moe: expert_map is contiguous int32");
-  const MoeRoute r = moe_route(
-      topk_ids.data_ptr<int64_t>(), T, k,
-      expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr,
-      expert_map.has_value() ? expert_map->numel() : E, E);
+  const MoeRoute r = route_of(topk_ids, expert_map, E);
   const int64_t rows = r.start[E];
   if (rows == 0) return torch::zeros({T, H}, x.options());
   auto out = torch::empty({T, H}, x.options());
 #ifdef ASERVE_QGEMM
-  using bf16 = at::BFloat16;
   const auto bytes = x.options().dtype(at::kChar), floats = x.options().dtype(at::kFloat);
   // x quantized once a token, then its rows gathered to the pairs'
   const int64_t g13 = L13.groups, g2 = L2.groups;
   auto xq = torch::empty({T, H}, bytes), xsc = torch::empty({2, T, g13}, floats);
-  quantize_rows(x.data_ptr<bf16>(), T, H, L13.group, xq.data_ptr<int8_t>(),
+  quantize_rows(x.data_ptr<at::BFloat16>(), T, H, L13.group, xq.data_ptr<int8_t>(),
                 xsc.data_ptr<float>(), xsc.data_ptr<float>() + T * g13);
   auto aq = torch::empty({rows, H}, bytes), asc = torch::empty({2, rows, g13}, floats);
   {
@@ -82,49 +99,21 @@ torch::Tensor qfused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
       }
     });
   }
-
   auto h = torch::empty({rows, I}, x.options());
-  const int8_t* ap = aq.data_ptr<int8_t>();
-  const float *as = asc.data_ptr<float>(), *asum = as + rows * g13;
-  const uint8_t* w13p = w13.data_ptr<uint8_t>();
-  const int64_t bytes13 = g13 * L13.group_bytes;  // a panel's
-  const QTile* up_tiles = kQTiles[L13.group == 16 ? 1 : L13.group == 32 ? 2 : 0][L13.bits == 8]
-                                 [kGatedSilu];
-  char* hp = static_cast<char*>(h.data_ptr());
-  for_each_task(moe_tasks(r, panels13), [&](const MoeTask& t) {
-    TileEpilogue ep;
-    ep.d = I;
-    const int64_t cols = std::min(kHalf, I - t.p * kHalf);
-    for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
-      up_tiles[std::min(kQRows, t.m0 + t.rows - m)](
-          ap + m * H, H, as + m * g13, asum + m * g13, g13,
-          w13p + (t.e * panels13 + t.p) * bytes13, L13.group, L13.group_bytes,
-          hp + (m * I + t.p * kHalf) * sizeof(bf16), I, cols, ep);
-  });
+  const float* as = asc.data_ptr<float>();
+  qmoe_gemm(r, {aq.data_ptr<int8_t>(), as, as + rows * g13, H}, w13.data_ptr<uint8_t>(),
+            panels13, L13, kGatedSilu, kHalf, h.data_ptr<at::BFloat16>(), I);
 
   auto hq = torch::empty({rows, I}, bytes), hsc = torch::empty({2, rows, g2}, floats);
-  quantize_rows(h.data_ptr<bf16>(), rows, I, L2.group, hq.data_ptr<int8_t>(),
+  quantize_rows(h.data_ptr<at::BFloat16>(), rows, I, L2.group, hq.data_ptr<int8_t>(),
                 hsc.data_ptr<float>(), hsc.data_ptr<float>() + rows * g2);
   auto y = torch::empty({rows, H}, x.options());
-  const int8_t* hqp = hq.data_ptr<int8_t>();
-  const float *hs = hsc.data_ptr<float>(), *hsum = hs + rows * g2;
-  const uint8_t* w2p = w2.data_ptr<uint8_t>();
-  const int64_t bytes2 = g2 * L2.group_bytes;
-  const QTile* down_tiles = kQTiles[L2.group == 16 ? 1 : L2.group == 32 ? 2 : 0][L2.bits == 8]
-                                   [kPlain];
-  char* yp = static_cast<char*>(y.data_ptr());
-  for_each_task(moe_tasks(r, panels2), [&](const MoeTask& t) {
-    const TileEpilogue ep;
-    const int64_t cols = std::min(kPanel, H - t.p * kPanel);
-    for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
-      down_tiles[std::min(kQRows, t.m0 + t.rows - m)](
-          hqp + m * I, I, hs + m * g2, hsum + m * g2, g2,
-          w2p + (t.e * panels2 + t.p) * bytes2, L2.group, L2.group_bytes,
-          yp + (m * H + t.p * kPanel) * sizeof(bf16), H, cols, ep);
-  });
+  const float* hs = hsc.data_ptr<float>();
+  qmoe_gemm(r, {hq.data_ptr<int8_t>(), hs, hs + rows * g2, I}, w2.data_ptr<uint8_t>(),
+            panels2, L2, kPlain, kPanel, y.data_ptr<at::BFloat16>(), H);
 
-  moe_combine(r, y.data_ptr<bf16>(), topk_weights.data_ptr<float>(), T, k, H,
-              out.data_ptr<bf16>());
+  moe_combine(r, y.data_ptr<at::BFloat16>(), topk_weights.data_ptr<float>(), T, k, H,
+              out.data_ptr<at::BFloat16>());
 #endif
   return out;
 }
