@@ -32,6 +32,13 @@ from aserve.server.frontend import frontend_routes
 from aserve.server.metrics import ServerMetrics
 from aserve.server.openapi import openapi_json
 from aserve.server.reasoning_parsers import get_reasoning_parser
+from aserve.server.responses_api import (
+    create_response,
+    delete_response,
+    list_input_items,
+    retrieve_response,
+)
+from aserve.server.responses_store import ResponseStore
 from aserve.server.tool_parsers import get_tool_parser
 
 
@@ -60,6 +67,10 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # <think> -> reasoning_content (`reasoning_parsers.py`)
     disable_frontend: bool = False  # no playground, dashboard or their files (`frontend.py`)
+    # The Responses API's stored responses (`responses_store.py`): at most this many, and
+    # this many bytes of them; 0 responses: none is stored
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 256 << 20
 
 
 class ServerState:
@@ -72,6 +83,8 @@ class ServerState:
                            or engine_args.model)
         self.engine: AsyncEngine | None = None
         self.metrics = ServerMetrics(self.model_name)
+        self.responses = ResponseStore(config.max_stored_responses,
+                                       config.max_stored_response_bytes)
         self.chat_template = _read_template(config.chat_template)
         if config.tool_call_parser is not None:
             get_tool_parser(config.tool_call_parser)  # ValueError now, not at each request
@@ -140,6 +153,11 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+            Route("/v1/responses", create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", list_input_items,
+                  methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             *pages,
         ],

@@ -114,6 +114,18 @@ def _check_request_template(source: object, config, tokenizer) -> None:
 async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_model(request, body.model)
+    view, generations = await start_chat(request, body, make_id("chatcmpl"))
+    if body.stream:
+        return event_stream(request, view.stream(generations), generations)
+    results = await collect_or_abort(request, generations)
+    return JSONResponse(view.response(generations[0], results[0]).model_dump())
+
+
+async def start_chat(request: Request, body: ChatCompletionRequest, request_id: str
+                     ) -> tuple[ChatView, list[Generation]]:
+    """A checked chat request rendered, prepared and handed to the engine (a 400 before the
+    engine sees anything bad): the view that turns its outputs into replies, and its one
+    generation. The chat route's, and the Responses API's (`responses_api.py`)."""
     state = server_state(request)
     reasoning = (get_reasoning_parser(state.config.reasoning_parser)
                  if state.config.reasoning_parser else None)
@@ -133,13 +145,9 @@ async def create_chat_completion(request: Request) -> Response:
             text):  # the constraint applies to the answer, after the reasoning
         params.structured_outputs = replace(params.structured_outputs, start_after=END)
     prepared = await prepare_tools(engine, prompt, params, body)
-    request_id = make_id("chatcmpl")
     generations = start_generations(request, engine, request_id, [prepared])
-    view = ChatView(body, state.model_name, request_id, engine.tokenizer, parser, reasoning)
-    if body.stream:
-        return event_stream(request, view.stream(generations), generations)
-    results = await collect_or_abort(request, generations)
-    return JSONResponse(view.response(generations[0], results[0]).model_dump())
+    return ChatView(body, state.model_name, request_id, engine.tokenizer, parser,
+                    reasoning), generations
 
 
 def tool_parser_for(request: Request, engine, body: ChatCompletionRequest
@@ -187,6 +195,7 @@ class ChatView:
         self.tools = ReplyTools(body, tool_parser)
         self.reasoning = reasoning
         self.n = body.n or 1
+        self.num_cached_tokens = 0  # of the prompt, found in the prefix cache
         last = body.messages[-1]
         # `echo`: the reply continues the last message when that is the assistant's own.
         self.echo = last.text() if body.echo and last.role == "assistant" else ""
@@ -225,6 +234,7 @@ class ChatView:
                                                      reasoning_content=thought),
                 logprobs=self.logprobs_of(ids[k], logprobs[k]), finish_reason=finish,
                 stop_reason=reasons[k][1]))
+        self.num_cached_tokens = outputs[-1].num_cached_tokens if outputs else 0
         prompt_logprobs = (outputs[0].prompt_logprobs
                            if self.body.prompt_logprobs is not None else None)
         usage = UsageInfo.of(len(generation.prompt.prompt_token_ids), sum(map(len, ids)))
@@ -244,6 +254,7 @@ class ChatView:
         thinking = [StreamingReasoning(self.reasoning) if self.reasoning else None
                     for _ in range(self.n)]
         async for _, output in merged_outputs(generations):
+            self.num_cached_tokens = output.num_cached_tokens
             for delta in output.outputs:
                 text = delta.text
                 if delta.index not in echoed:

@@ -242,6 +242,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-frontend", action="store_true",
                        help="serve no web pages: no playground at /, no dashboard at "
                             "/dashboard, nor their files and figures (all 404)")
+    group.add_argument("--max-stored-responses", type=int, default=1024,
+                       help="the Responses API's stored responses kept in memory, least "
+                            "recently used out (0: none is stored; default 1024)")
     add_connection_args(group)  # --timeout-header-read, --timeout-keep-alive, --max-connections
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info",
                        help="log level of uvicorn and aserve (default: info)")
@@ -284,6 +287,8 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
         raise UsageError("--request-timeout must be > 0")
     if ns.stream_stall_timeout < 0:
         raise UsageError("--stream-stall-timeout must be >= 0")
+    if ns.max_stored_responses < 0:
+        raise UsageError("--max-stored-responses must be >= 0")
     return ServerConfig(served_model_name=ns.served_model_name,
                         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
                         chat_template=ns.chat_template,
@@ -295,7 +300,8 @@ def server_config_from(ns: argparse.Namespace) -> ServerConfig:
                         enable_auto_tool_choice=ns.enable_auto_tool_choice,
                         tool_call_parser=ns.tool_call_parser,
                         reasoning_parser=ns.reasoning_parser,
-                        disable_frontend=ns.disable_frontend)
+                        disable_frontend=ns.disable_frontend,
+                        max_stored_responses=ns.max_stored_responses)
 
 
 # ---------------------------------------------------------------------------------- offline

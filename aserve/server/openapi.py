@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 import aserve
-from aserve.server import protocol, responses
+from aserve.server import protocol, responses, responses_items
 from aserve.server.auth import needs_api_key
 from aserve.server.dashboard import DashboardStats
 from aserve.server.errors import ErrorResponse
@@ -62,6 +62,12 @@ class Operation:
     parameters: list[dict] = field(default_factory=list)
 
 
+RESPONSE_SCHEMA = {"type": "object", "description": "OpenAI's Response object.",
+                   "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                  "status": {"type": "string"}, "output": {"type": "array"}},
+                   "required": ["id", "object", "status", "output"]}
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
+               "schema": {"type": "string"}}
 VERSION_SCHEMA = {"type": "object", "properties": {"version": {"type": "string"}},
                   "required": ["version"]}
 OPERATIONS = {
@@ -103,6 +109,16 @@ OPERATIONS = {
         "Answer a conversation.", protocol.ChatCompletionRequest,
         responses.ChatCompletionResponse, responses.ChatCompletionStreamResponse,
         errors=GENERATION_ERRORS),
+    "/v1/responses": Operation(
+        "Create a response (OpenAI's Responses API): the Response object; with "
+        "`\"stream\": true`, its typed events (`event: <type>`, `data: <event JSON>`).",
+        responses_items.ResponsesRequest, RESPONSE_SCHEMA, errors=GENERATION_ERRORS),
+    "/v1/responses/{response_id}": Operation(
+        "GET: a stored response; DELETE: forget it (404: never stored, deleted or evicted).",
+        response=RESPONSE_SCHEMA, errors=(404,), parameters=[RESPONSE_ID]),
+    "/v1/responses/{response_id}/input_items": Operation(
+        "A stored response's input items, a list page (`order`, `limit`, `after`).",
+        response={"type": "object"}, errors=(400, 404), parameters=[RESPONSE_ID]),
 }
 
 

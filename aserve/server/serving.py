@@ -261,7 +261,8 @@ DONE = "data: [DONE]\n\n"
 
 def event_stream(request: Request, chunks: AsyncIterator[BaseModel],
                  generations: list[Generation]) -> EventStream:
-    return EventStream(chunks, generations, server_state(request).config.stream_stall_timeout)
+    return EventStream(sse_events(chunks), generations,
+                       server_state(request).config.stream_stall_timeout)
 
 
 class EventStream(StreamingResponse):
@@ -271,9 +272,9 @@ class EventStream(StreamingResponse):
     back, and the connection is closed. (Before, 4 such streams of n=64 held all 256 slots
     until they had generated everything.)"""
 
-    def __init__(self, chunks: AsyncIterator[BaseModel], generations: list[Generation],
+    def __init__(self, body: AsyncIterator[str], generations: list[Generation],
                  stall_timeout: float | None) -> None:
-        super().__init__(sse_events(chunks), media_type="text/event-stream")
+        super().__init__(body, media_type="text/event-stream")
         self.generations, self.stall_timeout = generations, stall_timeout
 
     async def stream_response(self, send) -> None:

@@ -127,6 +127,9 @@ def test_flags_map_onto_engine_args_and_server_config(monkeypatch):
     assert server_config_from(build_parser().parse_args(["--api-key", "k"])).api_key == "k"
     assert not config.disable_frontend
     assert server_config_from(build_parser().parse_args(["--disable-frontend"])).disable_frontend
+    assert config.max_stored_responses == 1024
+    assert server_config_from(build_parser().parse_args(
+        ["--max-stored-responses", "0"])).max_stored_responses == 0
 
 
 @pytest.mark.parametrize("text,expected", [("1024", 1024), ("4GiB", 4 << 30), ("4G", 4 << 30),

@@ -1,5 +1,5 @@
 """Fuzzing the HTTP API with hypothesis: whatever the body of a POST to /v1/completions,
-/v1/chat/completions, /tokenize or /detokenize — any JSON, a valid body with one field replaced by
+/v1/chat/completions, /v1/responses, /tokenize or /detokenize — any JSON, a valid body with one field replaced by
 any JSON, raw or truncated bytes, or a body generated from the app's own `/openapi.json` — the
 server answers 2xx with a well-formed body or 4xx in OpenAI's error shape, never 5xx, and keeps
 serving. Cost stays small: `max_model_len` is 32 (whatever `max_tokens` the fuzzer picks), and
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,7 +19,6 @@ import pytest
 from helpers.server import serving, tiny_app
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
 from starlette.routing import Mount
 
 from aserve.server import ServerConfig, responses
@@ -38,15 +38,34 @@ VALID = {
     "/v1/chat/completions": {"model": MODEL, "messages": USER, "max_tokens": 2},
     "/tokenize": {"model": MODEL, "prompt": "Hello"},
     "/detokenize": {"model": MODEL, "tokens": [5, 6]},
+    "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 2},
 }
 ROUTES = sorted(VALID)
-# route: (model of a 200 JSON body, model of each server-sent event)
-OK_MODELS: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
-    "/v1/completions": (responses.CompletionResponse, responses.CompletionStreamResponse),
-    "/v1/chat/completions": (responses.ChatCompletionResponse,
-                             responses.ChatCompletionStreamResponse),
-    "/tokenize": (responses.TokenizeResponse, None),
-    "/detokenize": (responses.DetokenizeResponse, None),
+
+
+def _sdk_type(type_: Any) -> Callable[[Any], Any]:
+    """A validator of the openai SDK's own type (the Responses API's have no pydantic model
+    here: they are built as dicts)."""
+    from openai._models import validate_type
+
+    return lambda value: validate_type(type_=type_, value=value)
+
+
+def _responses_validators() -> tuple[Callable, Callable]:
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    return _sdk_type(Response), _sdk_type(ResponseStreamEvent)
+
+
+# route: (validator of a 200 JSON body, validator of each server-sent event's data)
+OK_MODELS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any] | None]] = {
+    "/v1/completions": (responses.CompletionResponse.model_validate,
+                        responses.CompletionStreamResponse.model_validate),
+    "/v1/chat/completions": (responses.ChatCompletionResponse.model_validate,
+                             responses.ChatCompletionStreamResponse.model_validate),
+    "/tokenize": (responses.TokenizeResponse.model_validate, None),
+    "/detokenize": (responses.DetokenizeResponse.model_validate, None),
+    "/v1/responses": _responses_validators(),
 }
 
 SCALARS = (st.none() | st.booleans() | st.integers()
@@ -106,7 +125,7 @@ def check_answer(client: httpx.Client, route: str, response: httpx.Response, sen
     elif response.headers["content-type"].startswith("text/event-stream"):
         check_events(route, response.text, where)
     else:
-        OK_MODELS[route][0].model_validate(response.json())
+        OK_MODELS[route][0](response.json())
     assert health == 200, where
 
 
@@ -129,12 +148,18 @@ def check_error_body(body: dict, status: int, where: str) -> None:
 
 
 def check_events(route: str, text: str, where: str) -> None:
-    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
-    assert events and events[-1] == "[DONE]", where
-    for data in events[:-1]:
+    """Chunks end with `data: [DONE]`; the Responses API's typed events (`event: <type>`
+    lines) end with the response's last state instead. No failure after the start."""
+    events = [line.split("data: ", 1)[1] for line in text.split("\n\n") if line]
+    if route == "/v1/responses":
+        assert events and json.loads(events[-1])["type"] in (
+            "response.completed", "response.incomplete"), where
+    else:
+        assert events and events.pop() == "[DONE]", where
+    for data in events:
         chunk = json.loads(data)
-        assert "error" not in chunk, where  # a failure after the stream started
-        OK_MODELS[route][1].model_validate(chunk)
+        assert "error" not in chunk and chunk.get("type") != "error", where
+        OK_MODELS[route][1](chunk)
 
 
 # --- strategies ----------------------------------------------------------------------------------

@@ -1,0 +1,420 @@
+"""The Responses API: `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and
+`GET /v1/responses/{id}/input_items`.
+
+A response is a chat completion underneath (`responses_items.py` turns the request into one,
+`chat.start_chat` runs it), so tools, tool parsers, JSON schemas and reasoning parsers work as
+they do for chat. What differs is the shape of what comes back: output items — `reasoning`
+(the reasoning parser's text), `message` (its `output_text`), `function_call` — and, streamed,
+OpenAI's typed events, each sent as `event: <type>` + `data: {...}` with a `sequence_number`:
+
+    response.created, response.in_progress
+    per item:  response.output_item.added
+               message:    content_part.added, output_text.delta…, output_text.done,
+                           content_part.done
+               reasoning:  content_part.added, reasoning_text.delta…, reasoning_text.done,
+                           content_part.done
+               call:       function_call_arguments.delta, function_call_arguments.done
+               response.output_item.done
+    response.completed (response.incomplete when max_output_tokens cut it; an `error` event
+    and response.failed when the engine failed)
+
+Stored responses (`responses_store.py`) keep their conversation for `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from aserve.server.chat import ChatView, render_chat, start_chat
+from aserve.server.errors import ServerError
+from aserve.server.protocol import ChatCompletionRequest, make_id
+from aserve.server.responses import ChatCompletionStreamResponse, ChatResponseMessage
+from aserve.server.responses_items import ResponsesRequest, as_responses_error, input_messages
+from aserve.server.responses_store import StoredResponse
+from aserve.server.serving import (
+    EventStream,
+    Generation,
+    check_model,
+    collect_or_abort,
+    parse_body,
+    running_engine,
+    server_state,
+)
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                "reasoning": "rs"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{make_id('x')[2:]}"
+
+
+async def create_response(request: Request) -> Response:
+    body = await parse_body(request, ResponsesRequest)
+    check_model(request, body.model)
+    state = server_state(request)
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        stored = state.responses.get(body.previous_response_id)
+        if stored is None:
+            raise ServerError(f"Response with id '{body.previous_response_id}' not found: it "
+                              "was not stored (store: false), was deleted, or was evicted.",
+                              404, "previous_response_id")
+        history = stored.messages
+    items = [{"id": _new_id(_ID_PREFIXES[item["type"]]), **item} if "id" not in item else item
+             for item in body.input_items()]
+    messages = input_messages(items)
+    response_id = _new_id("resp")
+    try:
+        chat = await _fitted_chat(request, body, history, messages)
+        view, generations = await start_chat(request, chat, response_id)
+    except ServerError as e:
+        raise as_responses_error(e) from e
+    reply = ResponseView(body, state.model_name, response_id, view, history + messages, items)
+    if body.stream:
+        return EventStream(reply.events(request, generations), generations,
+                           state.config.stream_stall_timeout)
+    results = await collect_or_abort(request, generations)
+    response = reply.finish(view.response(generations[0], results[0]))
+    reply.store(request, response)
+    return JSONResponse(response)
+
+
+async def _fitted_chat(request: Request, body: ResponsesRequest, history: list[dict],
+                       messages: list[dict]) -> ChatCompletionRequest:
+    """The chat request; with `truncation: auto`, the oldest turns of the conversation dropped
+    (whole, from a user message on) until the prompt leaves max_output_tokens (or one token)
+    in the context — found by bisection, so a long conversation is rendered a few times."""
+    conversation = history + messages
+    chat = body.to_chat([], conversation)
+    if body.truncation != "auto":
+        return chat
+    engine = running_engine(request)
+    room = engine.model_info.max_model_len - (body.max_output_tokens or 1)
+
+    async def fits(start: int) -> bool:
+        candidate = body.to_chat([], conversation[start:])
+        text = await render_chat(request, engine, candidate)
+        try:
+            ids = await engine.encode(text, add_special_tokens=candidate.add_special_tokens)
+        except ValueError:  # longer than any context
+            return False
+        return len(ids) <= room
+
+    starts = [k for k, m in enumerate(conversation) if m["role"] == "user"]
+    if not starts or await fits(0):
+        return chat
+    lo, hi = 0, len(starts) - 1  # the first start that fits is in starts[lo..hi], or none
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if await fits(starts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return body.to_chat([], conversation[starts[lo]:])  # (too long still: a 400 naming input)
+
+
+async def retrieve_response(request: Request) -> Response:
+    return JSONResponse(_stored(request).response)
+
+
+async def delete_response(request: Request) -> Response:
+    response_id = request.path_params["response_id"]
+    if not server_state(request).responses.delete(response_id):
+        _stored(request)  # the 404
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def list_input_items(request: Request) -> Response:
+    """A stored response's input items, OpenAI's list page: `order` (desc by default),
+    `limit` (1-100, 20), `after` (an item id)."""
+    items = _stored(request).input_items
+    query = request.query_params
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ServerError("order must be asc or desc.", 400, "order")
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ServerError("limit must be an integer from 1 to 100.", 400, "limit")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise ServerError(f"No input item with id '{after}'.", 404, "after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": len(ordered) > limit})
+
+
+def _stored(request: Request) -> StoredResponse:
+    response_id = request.path_params["response_id"]
+    stored = server_state(request).responses.get(response_id)
+    if stored is None:
+        raise ServerError(f"Response with id '{response_id}' not found.", 404, "response_id")
+    return stored
+
+
+class ResponseView:
+    """One request's Response object: whole (`finish`), or as typed stream events (`events`),
+    and stored after (`store`)."""
+
+    def __init__(self, body: ResponsesRequest, model: str, response_id: str, chat: ChatView,
+                 conversation: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+        self.body, self.model, self.id, self.chat = body, model, response_id, chat
+        self.conversation, self.items = conversation, items
+        self.created_at = int(time.time())
+
+    def skeleton(self, status: str, output: list[dict], usage: dict | None = None,
+                 incomplete: bool = False, error: dict | None = None) -> dict[str, Any]:
+        body = self.body
+        fmt = body.text.format if body.text is not None else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "background": False, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": None, "model": self.model, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None},
+            "store": body.store is not False,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt
+                     else {"type": "text"}},
+            "tool_choice": (body.tool_choice.model_dump()
+                            if hasattr(body.tool_choice, "model_dump")
+                            else body.tool_choice or "auto"),
+            "tools": [t.model_dump() for t in body.function_tools()],
+            "top_logprobs": body.top_logprobs or 0,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": body.truncation or "disabled", "usage": usage, "user": None,
+            "metadata": body.metadata or {},
+        }
+
+    def usage(self, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.chat.num_cached_tokens,
+                                         "cache_write_tokens": 0},
+                "output_tokens": output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_tokens + output_tokens}
+
+    def finish(self, chat) -> dict[str, Any]:
+        """The whole response of a chat completion's one choice."""
+        choice = chat.choices[0]
+        incomplete = choice.finish_reason == "length"
+        logprobs = ([lp.model_dump() for lp in choice.logprobs.content or []]
+                    if choice.logprobs is not None else [])
+        output = reply_items(choice.message, logprobs, "incomplete" if incomplete
+                             else "completed")
+        usage = self.usage(chat.usage.prompt_tokens, chat.usage.completion_tokens)
+        return self.skeleton("incomplete" if incomplete else "completed", output, usage,
+                             incomplete)
+
+    def store(self, request: Request, response: dict[str, Any]) -> None:
+        """Kept for retrieval and continuation, unless `store: false` (or it failed)."""
+        if self.body.store is False or response["status"] == "failed":
+            return
+        server_state(request).responses.put(StoredResponse(
+            response, self.conversation + reply_messages(response["output"]), self.items))
+
+    async def events(self, request: Request, generations: list[Generation]
+                     ) -> AsyncIterator[str]:
+        """The stream's body: typed events, then the response stored."""
+        events = StreamEvents(self)
+        try:
+            async for event in events.run(self.chat.stream(generations)):
+                yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+        finally:
+            if events.final is not None:
+                self.store(request, events.final)
+
+
+def reply_items(message: ChatResponseMessage, logprobs: list[dict], status: str
+                ) -> list[dict[str, Any]]:
+    """A chat reply as output items: its reasoning, its text, its calls."""
+    output: list[dict[str, Any]] = []
+    if message.reasoning_content:
+        output.append(_reasoning_item(_new_id("rs"), message.reasoning_content, status))
+    if message.content:
+        output.append(_message_item(_new_id("msg"), message.content, logprobs, status))
+    for call in message.tool_calls:
+        output.append(_call_item(_new_id("fc"), call.id, call.function.name,
+                                 call.function.arguments, "completed"))
+    return output
+
+
+def reply_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as the chat messages a continuation sees (its reasoning
+    left out, as `input_messages` leaves out reasoning items)."""
+    text = "".join(part["text"] for item in output if item["type"] == "message"
+                   for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    if not text and not calls:
+        return []
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls}
+                                                               if calls else {})}]
+
+
+def _text_part(text: str, logprobs: list[dict]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _message_item(item_id: str, text: str, logprobs: list[dict], status: str) -> dict:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [_text_part(text, logprobs)] if status != "in_progress" else []}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]
+            if status != "in_progress" else []}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+class StreamEvents:
+    """Chat stream chunks → the Responses API's typed events (module docstring). One item is
+    open at a time: text after reasoning closes the reasoning, a call closes the text."""
+
+    def __init__(self, view: ResponseView) -> None:
+        self.view = view
+        self.sequence_number = 0
+        self.output: list[dict[str, Any]] = []  # items done
+        self.open: dict[str, Any] | None = None  # the item being written
+        self.text, self.logprobs = "", []
+        self.final: dict[str, Any] | None = None
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence_number += 1
+        return {"type": kind, "sequence_number": self.sequence_number - 1, **fields}
+
+    async def run(self, chunks: AsyncIterator[ChatCompletionStreamResponse]
+                  ) -> AsyncIterator[dict[str, Any]]:
+        view = self.view
+        started = view.skeleton("in_progress", [])
+        yield self.event("response.created", response=started)
+        yield self.event("response.in_progress", response=started)
+        finish, usage = None, None
+        try:
+            async for chunk in chunks:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    for event in self.feed(choice):
+                        yield event
+                    finish = choice.finish_reason or finish
+        except Exception as e:  # noqa: BLE001 - the status is sent: reported in the stream
+            error = e if isinstance(e, ServerError) else ServerError(str(e), 500)
+            yield self.event("error", code=str(error.status), message=error.message,
+                             param=error.param)
+            failed = view.skeleton("failed", self.output + self.close(final=False),
+                                   error={"code": "server_error", "message": error.message})
+            yield self.event("response.failed", response=failed)
+            return
+        for event in self.close():
+            yield event
+        incomplete = finish == "length"
+        self.final = view.skeleton(
+            "incomplete" if incomplete else "completed", self.output,
+            view.usage(usage.prompt_tokens, usage.completion_tokens) if usage else None,
+            incomplete)
+        yield self.event("response.incomplete" if incomplete else "response.completed",
+                         response=self.final)
+
+    def feed(self, choice) -> list[dict[str, Any]]:
+        delta, events = choice.delta, []
+        if delta.reasoning_content:
+            events += self.write("reasoning", delta.reasoning_content, [])
+        if delta.content:
+            logprobs = ([lp.model_dump() for lp in choice.logprobs.content or []]
+                        if choice.logprobs is not None else [])
+            events += self.write("message", delta.content, logprobs)
+        for call in delta.tool_calls or ():
+            events += self.close()
+            function = call["function"]
+            index = len(self.output)
+            added = _call_item(_new_id("fc"), call["id"], function["name"], "", "in_progress")
+            done = {**added, "arguments": function["arguments"], "status": "completed"}
+            events += [
+                self.event("response.output_item.added", output_index=index, item=added),
+                self.event("response.function_call_arguments.delta", item_id=added["id"],
+                           output_index=index, delta=function["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=added["id"],
+                           output_index=index, name=function["name"],
+                           arguments=function["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=done)]
+            self.output.append(done)
+        return events
+
+    def write(self, kind: str, text: str, logprobs: list[dict]) -> list[dict[str, Any]]:
+        """`text` added to the open item of `kind` (opened first, closing another)."""
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self.close()
+            index = len(self.output)
+            if kind == "message":
+                self.open, part = _message_item(_new_id("msg"), "", [], "in_progress"), \
+                    _text_part("", [])
+            else:
+                self.open = _reasoning_item(_new_id("rs"), "", "in_progress")
+                part = {"type": "reasoning_text", "text": ""}
+            events += [
+                self.event("response.output_item.added", output_index=index,
+                           item=copy.deepcopy(self.open)),
+                self.event("response.content_part.added", item_id=self.open["id"],
+                           output_index=index, content_index=0, part=part)]
+        self.text += text
+        self.logprobs += logprobs
+        where = {"item_id": self.open["id"], "output_index": len(self.output),
+                 "content_index": 0}
+        if kind == "message":
+            events.append(self.event("response.output_text.delta", **where, delta=text,
+                                     logprobs=logprobs))
+        else:
+            events.append(self.event("response.reasoning_text.delta", **where, delta=text))
+        return events
+
+    def close(self, final: bool = True) -> list[dict[str, Any]]:
+        """The open item finished (its done events, when `final`); none open: nothing."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": len(self.output), "content_index": 0}
+        text, logprobs, self.text, self.logprobs = self.text, self.logprobs, "", []
+        if item["type"] == "message":
+            done = _message_item(item["id"], text, logprobs, "completed")
+        else:
+            done = _reasoning_item(item["id"], text, "completed")
+        if not final:
+            return [done]
+        if item["type"] == "message":
+            events = [self.event("response.output_text.done", **where, text=text,
+                                 logprobs=logprobs)]
+        else:
+            events = [self.event("response.reasoning_text.done", **where, text=text)]
+        events += [
+            self.event("response.content_part.done", **where, part=done["content"][0]),
+            self.event("response.output_item.done", output_index=where["output_index"],
+                       item=done)]
+        self.output.append(done)
+        return events
