@@ -45,6 +45,7 @@ def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp
         assert isinstance(out.json()["choices"][0]["text"], str)
         models = httpx.get(f"{url}/v1/models", headers=key).json()
         assert [m["id"] for m in models["data"]] == ["tiny-cli"]
+        api_tour(url, "tiny-cli", "secret")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
@@ -52,6 +53,41 @@ def test_serves_the_api_with_a_key_and_exits_0_on_sigterm(model_dir_factory, tmp
             proc.kill()
             proc.wait()
     assert f"serving tiny-cli on {url}" in log.read_text()
+
+
+def api_tour(url: str, model: str, key: str) -> None:
+    """The API beyond completions, through the openai SDK, as a client of `python -m aserve`
+    meets it: the model's card, echo-scoring with max_tokens 0, the Responses API (plain,
+    streamed, a function tool, a JSON schema, retrieved)."""
+    import json
+
+    import jsonschema
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key=key)
+    assert client.models.retrieve(model).id == model
+    scored = client.completions.create(model=model, prompt="Hello there", max_tokens=0,
+                                       echo=True, logprobs=0)
+    assert scored.choices[0].text == "Hello there" and scored.usage.completion_tokens == 0
+    plain = client.responses.create(model=model, input="Hi", max_output_tokens=4,
+                                    temperature=0)
+    assert plain.output_text and plain.usage.output_tokens <= 4
+    events = list(client.responses.create(model=model, input="Hi", max_output_tokens=4,
+                                          temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
+        == plain.output_text
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+              "required": ["city"], "additionalProperties": False}
+    called = client.responses.create(
+        model=model, input="Weather?", max_output_tokens=40,
+        tools=[{"type": "function", "name": "weather", "parameters": schema}],
+        tool_choice={"type": "function", "name": "weather"})
+    jsonschema.validate(json.loads(called.output[0].arguments), schema)
+    formatted = client.responses.create(
+        model=model, input="City?", max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(formatted.output_text), schema)
+    assert client.responses.retrieve(formatted.id).output_text == formatted.output_text
 
 
 @pytest.mark.slow

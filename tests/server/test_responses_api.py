@@ -87,6 +87,7 @@ def test_streamed_events_come_in_order_and_add_up_to_the_response(client):
     final = events[-1].response
     assert final.output_text == whole.output_text and final.usage.output_tokens == 6
     assert final.id == events[0].response.id != whole.id
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # stored
 
 
 def test_a_function_tool_call_and_its_continuation(client):
