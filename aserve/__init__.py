@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

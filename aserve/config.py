@@ -161,6 +161,34 @@ class CacheConfig:
         return self.kv_cache_groups or (KVCacheGroupSpec((), None, self.block_size),)
 
 
+RUNNERS = ("auto", "generate", "pooling")  # `--runner`, vLLM's
+# Bare decoders (HF's `*Model`: no LM head) of the families aserve serves -> their causal LM,
+# whose stack they are: served by the pooling runner only (embedding checkpoints such as
+# Qwen3-Embedding; their weights may lack the `model.` prefix)
+BARE_DECODERS = {
+    "LlamaModel": "LlamaForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+    "MixtralModel": "MixtralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM",
+    "Qwen3Model": "Qwen3ForCausalLM",
+    "Qwen2MoeModel": "Qwen2MoeForCausalLM",
+    "Qwen3MoeModel": "Qwen3MoeForCausalLM",
+    "Gemma2Model": "Gemma2ForCausalLM",
+    "Gemma3TextModel": "Gemma3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """A pooling model's defaults, for requests that leave them unset: its pooling type
+    (`pooling_params.POOLING_TYPES`) and whether vectors are L2-normalised. Read from a
+    sentence-transformers directory (`engine/runner_choice.py`), else vLLM's for decoders:
+    the last token, normalised."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str
@@ -173,6 +201,9 @@ class ModelConfig:
     # platform's integer GEMM (the float reference path; float32 always is)
     dequantize: bool = False
     quantization: str | None = None  # --quantization: checked against the checkpoint
+    # The pooling runner's defaults (`--runner pooling`): the model is built without its LM
+    # head and every request is pooled (`runner/pooler.py`); None: the generate runner
+    pooler: PoolerConfig | None = None
 
     @property
     def tokenizer_path(self) -> str:
@@ -206,6 +237,8 @@ class ModelInfo:
     # What quantization runs (None: a float checkpoint): the checkpoint's method or GGUF
     # types, and how its weights run (the integer GEMM, or dequantized to the dtype)
     quantization: str | None = None
+    hidden_size: int = 0  # what a pooled vector holds (before `dimensions`)
+    pooler: PoolerConfig | None = None  # the pooling runner's defaults; None: it generates
 
 
 MOE_COMBINES = ("all-reduce", "all-to-all")  # how expert-parallel outputs meet

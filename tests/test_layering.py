@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "aserve"
 DESIGN = ROOT.parent / "docs" / "design.md"
-SHARED = {"config", "sampling_params", "assets"}  # frozen dataclasses, package data
+SHARED = {"config", "sampling_params", "pooling_params", "assets"}  # dataclasses, data
 
 
 def design_table(text: str) -> tuple[dict[str, set[str]], set[str]]:

@@ -72,7 +72,7 @@ class KVCacheManager:
         The blocks are not referenced here: pass them to `allocate_slots`, which takes them
         (and counts the lookup in the hit-rate stats, once per admission, not per retry).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or not request.takes_prefix_hits:
             return self.coordinator.empty_blocks(), 0
         update_block_hashes(request, self.block_size)
         return self.coordinator.find_longest_cache_hit(request.block_hashes,
@@ -108,7 +108,7 @@ class KVCacheManager:
         return tuple([b.block_id for b in blocks] for blocks in new_blocks)
 
     def _count_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        if self.enable_caching and request.sampling_params.prompt_logprobs is None:
+        if self.enable_caching and request.takes_prefix_hits:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
 

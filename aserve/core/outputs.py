@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aserve.core.kv_connector import KVConnectorOutput
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class NewRequestData:
     num_computed_tokens: int
     stop_token_ids: frozenset[int] = frozenset()  # the engine's: stop_token_ids, and EOS
     grammar: Any = None  # the engine's: the request's constraint, compiled
+    pooling_params: PoolingParams | None = None  # a pooling request's (the engine's defaults in)
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,9 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # the draft model's passes after sampling, and how many
     draft_passes: int = 0
+    # The pooling runner: per request whose prompt this step completed, its pooled vector (a
+    # float32 numpy array, `runner/pooler.py`); its entry in sampled_token_ids is None
+    pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -125,6 +130,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     # The KV connector's `request_finished` answer, on the finished output only.
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request's vector (float32 numpy array), on its one, finished output
+    pooling_output: Any = None
 
     @property
     def finished(self) -> bool:

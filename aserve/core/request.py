@@ -6,6 +6,7 @@ import enum
 import time
 from typing import Any
 
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -36,6 +37,10 @@ class Request:
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; the tokens still to compute
     are `all_token_ids[num_computed_tokens:]` (a whole prompt at first, then one sampled token).
+
+    A pooling request (`pooling_params`, the pooling runner's) is its prompt only: it samples
+    nothing (`max_tokens` 0, so a step in flight never leaves it a token to schedule) and
+    finishes once the runner has pooled its prompt (`Scheduler.update_from_output`).
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class Request:
         cache_salt: str | None = None,
         eos_token_ids: tuple[int, ...] = (),
         grammar: Any = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -66,7 +72,13 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1: not yet
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
-        self.max_tokens = sampling_params.max_tokens or 1 << 62
+        self.pooling_params = pooling_params
+        self.max_tokens = (0 if pooling_params is not None
+                           else sampling_params.max_tokens or 1 << 62)
+        # Whether a prefix-cache hit may skip its first tokens: not for prompt logprobs, nor
+        # for pooling that reads every token's hidden state (MEAN, CLS)
+        self.takes_prefix_hits = sampling_params.prompt_logprobs is None and not (
+            pooling_params is not None and pooling_params.needs_every_token)
         # The engine's, not the user's: the model's EOS ids (from its generation config) and
         # the request's constraint compiled for its tokenizer (opaque here: the runner's)
         self.eos_token_ids = tuple(eos_token_ids)

@@ -8,7 +8,8 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                  loaded  ──(if nothing was preempted: K/V a connector loaded)───────────┤
                  waiting ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)─┤
                                                         StepPlan ─► SchedulerOutput ◄───┘
-    update_from_output(): append sampled tokens, check stops, free finished requests' blocks.
+    update_from_output(): append sampled tokens, check stops, free finished requests' blocks;
+                          finish the pooling requests whose prompt the runner pooled.
 
 `running` is in preemption order, the victim last: admission order (FCFS), or sorted by
 `Request.sort_key` as requests join it, ties in admission order (priority), so that a victim is
@@ -315,7 +316,8 @@ class Scheduler:
         new = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                            r.sampling_params, kv.get_block_ids(r.request_id),
-                           r.num_computed_tokens, r.stop_token_ids, r.grammar)
+                           r.num_computed_tokens, r.stop_token_ids, r.grammar,
+                           r.pooling_params)
             for r in plan.admitted
         ]
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -347,6 +349,8 @@ class Scheduler:
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
                                   runner_output.forward_seconds)
+        for req_id, vector in runner_output.pooler_output.items():
+            outputs += self._finish_pooled(req_id, vector)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = self.requests.get(req_id)
@@ -381,6 +385,23 @@ class Scheduler:
                     and time.perf_counter() < propose_until):
                 self._propose(request)
         return outputs
+
+    def _finish_pooled(self, req_id: str, vector) -> list[EngineCoreOutput]:
+        """A pooling request whose prompt the runner has pooled: finished, its blocks freed,
+        its vector its one output (none if it was aborted meanwhile). One preempted by the
+        step scheduled while this one ran is taken off `waiting`: its vector is whole."""
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished:
+            return []
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._free(request)
+        return [EngineCoreOutput(req_id, [], finish_reason=request.finish_reason,
+                                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                                 pooling_output=vector)]
 
     def _pass_tokens(self) -> float:
         """A draft model's pass, in tokens of the step-cost fit (its seconds / b)."""

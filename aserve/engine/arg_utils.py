@@ -18,6 +18,7 @@ from aserve.config import (
     SpeculativeConfig,
     SpeculativeConfigError,
 )
+from aserve.engine.runner_choice import choose_pooler
 from aserve.executor.spec import RankLayout, WorkerSpec
 from aserve.quantization import QUANTIZATION_NAMES
 from aserve.quantization.gguf_file import (  # noqa: F401 (GGUFError, model_source: the server's)
@@ -65,6 +66,10 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"  # auto | cuda | rocm | xla | cpu
     served_model_name: str | None = None
+    # vLLM's --runner: generate (sample tokens) | pooling (embed: /v1/embeddings, score, rerank;
+    # prefill only, no LM head) | auto (pooling for a sentence-transformers directory or a bare
+    # decoder, `engine/runner_choice.py`)
+    runner: str = "auto"
     enforce_eager: bool = False  # never capture decode graphs (CUDA/HIP)
     # Two dummy prompts run before the engine serves (EngineCore._warm_up): the first user's
     # steps are not cold, and the prefill budget's step costs are known from the start
@@ -125,6 +130,10 @@ class EngineArgs:
         self._check_kv_transfer_config()
         if self.speculative_config is not None:
             self._check_speculative_config()
+        # the pooling runner's defaults; None: the generate runner
+        self.pooler = choose_pooler(self.model, self.runner)
+        if self.pooler is not None:
+            self._check_pooling()
         if self.pp_layer_partition is not None:
             parts = self.pp_layer_partition.split(",")
             if len(parts) != self.pipeline_parallel_size or not all(
@@ -162,6 +171,19 @@ class EngineArgs:
             spec = replace(spec, model=str(gguf_model_dir(str(path)) if gguf else path))
         self.speculative_config = spec
 
+    def _check_pooling(self) -> None:
+        """What the pooling runner does not combine with (refused at startup, by name): it
+        pools rank 0's final hidden states, which tensor parallelism replicates but pipeline
+        stages and sequence-parallel slices do not hold; it samples nothing to draft or
+        transfer."""
+        refused = [name for name, on in (
+            ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+            ("sequence_parallel_size > 1", self.sequence_parallel_size > 1),
+            ("speculative_config", self.speculative_config is not None),
+            ("kv_transfer_config", self.kv_transfer_config is not None)) if on]
+        if refused:
+            raise ValueError(f"the pooling runner does not work with {', '.join(refused)}.")
+
     def _check_sequence_parallel(self) -> None:
         """What sequence parallelism needs of the other flags (the heads it splits are checked
         when the model is built: `aserve/layers/ulysses.py`)."""
@@ -182,7 +204,8 @@ class EngineArgs:
         return ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_model_len=self.max_model_len, seed=self.seed,
                            served_model_name=self.served_model_name,
-                           dequantize=self.dequantize, quantization=self.quantization)
+                           dequantize=self.dequantize, quantization=self.quantization,
+                           pooler=self.pooler)
 
     def worker_spec(self) -> WorkerSpec:
         """What every rank builds."""

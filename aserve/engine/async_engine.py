@@ -38,11 +38,12 @@ from aserve.engine.messages import (
     Shutdown,
 )
 from aserve.engine.output_processor import OutputProcessor
-from aserve.engine.outputs import RequestOutput
+from aserve.engine.outputs import PoolingRequestOutput, RequestOutput
 from aserve.engine.processor import PreparedRequest, ProcessedPrompt, Processor, PromptType
 from aserve.engine.step_log import StepLog
 from aserve.engine.tokenizer import Tokenizer
 from aserve.kv_transfer import connector_class
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 # Prompts longer than this (characters) are tokenized in a worker thread, off the event loop.
@@ -172,15 +173,18 @@ class AsyncEngine:
 
     @property
     def num_requests_in_flight(self) -> int:
-        """Engine requests (one per completion of each prompt) added and not yet finished."""
-        return len(self.output_processor.children)
+        """Engine requests (one per completion of each prompt, one per pooled prompt) added and
+        not yet finished."""
+        return len(self.output_processor.children) + len(self.output_processor.pooling)
 
     async def probe(self, timeout: float) -> str | None:
-        """Generate one token through the whole engine; None if it did, else why not."""
+        """Generate one token (the pooling runner: pool one) through the whole engine; None if
+        it did, else why not."""
         if not self.is_running:
             return self.dead_error or "The engine is not running."
         request_id = f"health-{uuid.uuid4().hex}"
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        params = (PoolingParams() if self.model_info.pooler is not None
+                  else SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
 
         async def one_token() -> None:
             async for _ in self.generate(request_id, {"prompt_token_ids": [0]}, params):
@@ -276,7 +280,8 @@ class AsyncEngine:
         A long text's encode releases the GIL (`Tokenizer.encode`), so the loop keeps serving."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
 
-    async def prepare(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
+    async def prepare(self, prompt: PromptType | ProcessedPrompt,
+                      params: SamplingParams | PoolingParams,
                       priority: int = 0) -> PreparedRequest:
         """Everything a request needs checked and computed before the engine sees it: the
         prompt tokenized (off the loop when long), the params checked against the model and
@@ -292,8 +297,9 @@ class AsyncEngine:
         processor = self._check_alive()
         if request_id in self.streams:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        if self.held_blocks is not None and (prepared.params.kv_transfer_params or {}).get(
-                "do_remote_decode"):  # raises ServerBusyError past the producer's cap
+        if self.held_blocks is not None and isinstance(prepared.params, SamplingParams) and (
+                prepared.params.kv_transfer_params or {}).get("do_remote_decode"):
+            # (raises ServerBusyError past the producer's cap)
             self.held_blocks.reserve(request_id, len(prepared.prompt.prompt_token_ids),
                                      self.stats.num_held_blocks)
         parent, requests = processor.make_requests(request_id, prepared, stream=True)
@@ -305,20 +311,21 @@ class AsyncEngine:
         return stream
 
     async def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
-                          params: SamplingParams, priority: int = 0) -> RequestStream:
+                          params: SamplingParams | PoolingParams,
+                          priority: int = 0) -> RequestStream:
         """`prepare`, then `add`."""
         return self.add(request_id, await self.prepare(prompt, params, priority))
 
     async def generate(self, request_id: str, prompt: PromptType | ProcessedPrompt,
-                       params: SamplingParams, priority: int = 0
-                       ) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams | PoolingParams, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         stream = await self.add_request(request_id, prompt, params, priority)
         async for output in stream:
             yield output
 
     def abort_all(self) -> None:
         """Abort every request in flight; their streams end with finish_reason "abort"."""
-        child_ids = tuple(self.output_processor.children)
+        child_ids = tuple(self.output_processor.engine_request_ids)
         if child_ids:
             self.inbox.put(AbortRequests(child_ids))
 

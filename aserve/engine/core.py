@@ -43,6 +43,7 @@ from aserve.executor import multiproc
 from aserve.executor.base import Executor
 from aserve.executor.factory import make_executor
 from aserve.kv_transfer import KVConnectorBase, KVConnectorRole, create_connector
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class EngineCore:
         step-cost model starts from steps of two sizes (the first, cold one is left out)
         instead of guessing (half the budget beside decodes) until the load has shown it two.
         Whatever the prompts leave (cached blocks, counters, the step log) is cleared; the
-        learnt step costs stay."""
+        learnt step costs stay. The pooling runner's are pooled prompts (it samples nothing)."""
         n = min(self.max_num_batched_tokens, self.model_info.max_model_len - WARMUP_TOKENS)
         groups, budget = self.kv_cache_groups, self.max_num_batched_tokens
         while n >= args.block_size and (
@@ -135,10 +136,14 @@ class EngineCore:
         if n < args.block_size:
             return  # a cache too small to spare: nothing to learn a cost from
         params = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+        pooler = self.model_info.pooler
+        pooling = (PoolingParams(pooler.pooling_type, pooler.normalize)
+                   if pooler is not None else None)
         vocab = self.model_info.vocab_size
         for i, length in enumerate((n, n // 2)):
             prompt = [(7919 * (t + i) + 1) % vocab for t in range(length)]
-            self.add_request(Request(f"aserve-warmup-{i}", prompt, params))
+            self.add_request(Request(f"aserve-warmup-{i}", prompt, params,
+                                     pooling_params=pooling))
         while self.has_work():
             self.step()
         self.scheduler.reset_prefix_cache()

@@ -1,7 +1,9 @@
 """`LLM`: the offline API, shaped like vLLM's (`from aserve import LLM, SamplingParams`).
 
 It drives the same `EngineCore` the server runs, synchronously: add every request, step until
-all are finished, return outputs in input order.
+all are finished, return outputs in input order. A model the pooling runner serves
+(`runner="pooling"`, or auto for an embedding model) embeds (`embed`, `encode`) and scores
+(`score`) instead of generating.
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ from aserve.core.outputs import SchedulerStats
 from aserve.engine.arg_utils import EngineArgs
 from aserve.engine.core import KV_IDLE_POLL_S, EngineCore
 from aserve.engine.output_processor import OutputProcessor
-from aserve.engine.outputs import RequestOutput
+from aserve.engine.outputs import (
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from aserve.engine.processor import PreparedRequest, Processor, PromptType
+from aserve.engine.scoring import cosine, pair_indices
 from aserve.engine.tokenizer import Tokenizer
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 
 
@@ -38,7 +47,8 @@ class LLM:
     `SamplingParams.kv_transfer_params` then reaches it, and the producer's answer comes back
     in `RequestOutput.kv_transfer_params`), speculative_config (n-gram or suffix drafts, a
     draft model or an EAGLE head: vLLM's keys, as a dict or its JSON text; `stats()` counts
-    the drafts). With several
+    the drafts), runner (auto | generate | pooling: `embed` and `score` need pooling, which
+    auto picks for an embedding model's directory). With several
     ranks, `shutdown()` (or leaving a `with` block) stops them; they are also stopped when the
     interpreter exits.
     """
@@ -83,21 +93,52 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts), SamplingParams)
+        results = self._run(prompts, params, priority)
+        if self.engine_core.scheduler.has_kv_transfers():
+            self.engine_core.step_kv_transfers()  # a producer's blocks: ready to be pulled
+        return results
+
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None
+              ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`, floats; `outputs.data`, float32 numpy),
+        pooled as its params say (the model's pooling and normalisation where they leave them
+        unset). Needs the pooling runner."""
+        prompts = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        params = self._params_per_prompt(pooling_params, len(prompts), PoolingParams)
+        return self._run(prompts, params, None)
+
+    encode = embed  # (vLLM's name for pooling in general)
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: per pair (text_1 one text against each
+        of text_2, or the i-th against the i-th), the cosine similarity of their
+        embeddings (`outputs.score`). Needs the pooling runner."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        pairs = pair_indices(len(firsts), len(seconds))
+        embedded = self.embed([*firsts, *seconds], pooling_params)
+        one, two = embedded[:len(firsts)], embedded[len(firsts):]
+        return [ScoringRequestOutput(str(k), ScoringOutput(cosine(one[i].outputs.data,
+                                                                  two[j].outputs.data)),
+                                     one[i].prompt_token_ids + two[j].prompt_token_ids)
+                for k, (i, j) in enumerate(pairs)]
+
+    def _run(self, prompts: list[PromptType], params: list, priority: Sequence[int] | None
+             ) -> list:
+        """Every prompt checked and prepared before the engine sees any (a bad one adds
+        nothing), then run to the end; the outputs in prompt order."""
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError("priority must have one entry per prompt.")
-        # Validate everything before the engine sees anything: a bad prompt adds nothing.
         processed = [self.processor.process_prompt(p) for p in prompts]
         prepared = [self.processor.prepare(p, sp, prio)
                     for p, sp, prio in zip(processed, params, priority, strict=True)]
         request_ids = [self._add_request(p) for p in prepared]
         results = {r.request_id: r for r in self._run_engine()}
-        if self.engine_core.scheduler.has_kv_transfers():
-            self.engine_core.step_kv_transfers()  # a producer's blocks: ready to be pulled
         return [results[request_id] for request_id in request_ids]
 
     def wait_for_kv_transfers(self, timeout: float | None = None) -> bool:
@@ -112,14 +153,16 @@ class LLM:
         return True
 
     @staticmethod
-    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        params = list(sampling_params)
+    def _params_per_prompt(params, num_prompts: int, kind: type) -> list:
+        """One `kind` (SamplingParams or PoolingParams) per prompt: the default, one for all,
+        or one each."""
+        if params is None:
+            return [kind()] * num_prompts
+        if isinstance(params, kind):
+            return [params] * num_prompts
+        params = list(params)
         if len(params) != num_prompts:
-            raise ValueError(f"Got {len(params)} SamplingParams for {num_prompts} prompts.")
+            raise ValueError(f"Got {len(params)} {kind.__name__} for {num_prompts} prompts.")
         return params
 
     def _add_request(self, prepared: PreparedRequest) -> str:

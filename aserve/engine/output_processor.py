@@ -8,6 +8,9 @@ A parent is either final-only (the offline `LLM`: one `RequestOutput` when every
 finished, text and tokens whole) or streaming (`stream=True`: a `RequestOutput` per update of a
 completion, carrying only what is new since the last one — the delta text, token ids and
 logprobs — and the prompt logprobs once, in the first).
+
+A pooling request (the pooling runner's) has no text: its one, finished output carries its
+vector (`PoolingRequestOutput`), final-only or streamed alike.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from typing import Any
 
 from aserve.core.outputs import EngineCoreOutput, LogprobsLists
 from aserve.engine.detokenizer import IncrementalDetokenizer
-from aserve.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from aserve.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+)
 from aserve.engine.tokenizer import Tokenizer
 from aserve.sampling_params import SamplingParams
 
@@ -54,13 +64,31 @@ class ChildState:
     prompt_logprobs: PromptLogprobs = field(default_factory=list)  # until the prompt's whole
 
 
+@dataclass
+class PoolingRequest:
+    """One pooling request waiting for its vector (its engine request has its id)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.children: dict[str, ChildState] = {}
         self.parents: dict[str, ParentRequest] = {}
+        self.pooling: dict[str, PoolingRequest] = {}
 
-    def add_request(self, parent: ParentRequest, child_ids: list[str]) -> None:
+    @property
+    def engine_request_ids(self) -> list[str]:
+        """Every engine request in flight: the children of generations, pooling requests."""
+        return [*self.children, *self.pooling]
+
+    def add_request(self, parent: ParentRequest | PoolingRequest, child_ids: list[str]) -> None:
+        if isinstance(parent, PoolingRequest):  # (its one engine request has its id)
+            self.pooling[parent.request_id] = parent
+            return
         self.parents[parent.request_id] = parent
         params = parent.params
         for index, child_id in enumerate(child_ids):
@@ -76,7 +104,7 @@ class OutputProcessor:
             parent.prompt_logprobs = [None]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents) or bool(self.pooling)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]
                         ) -> tuple[list[RequestOutput], list[str]]:
@@ -87,7 +115,10 @@ class OutputProcessor:
         to_abort: list[str] = []
         for output in outputs:
             child = self.children.get(output.req_id)
-            if child is None:
+            if child is None:  # a pooling request's (one, finished), or a forgotten one's
+                pooled = self._pooled(output)
+                if pooled is not None:
+                    ready.append(pooled)
                 continue
             stop_str = self._process_one(child, output)
             if stop_str is not None:
@@ -106,8 +137,19 @@ class OutputProcessor:
                 ready.append(self._request_output(parent))
         return ready, to_abort
 
+    def _pooled(self, output: EngineCoreOutput) -> PoolingRequestOutput | None:
+        request = self.pooling.pop(output.req_id, None)
+        if request is None:
+            return None
+        vector = output.pooling_output
+        return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                                    None if vector is None else PoolingOutput(vector),
+                                    num_cached_tokens=output.num_cached_tokens)
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a parent (its client went away); return its unfinished child ids."""
+        if self.pooling.pop(request_id, None) is not None:
+            return [request_id]
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []

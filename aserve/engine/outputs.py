@@ -71,3 +71,48 @@ class RequestOutput:
         self.metrics = later.metrics
         if later.kv_transfer_params is not None:
             self.kv_transfer_params = later.kv_transfer_params
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's `PoolingOutput`): `data`, float32 numpy [D]."""
+
+    data: Any
+
+    @property
+    def embedding(self) -> list[float]:
+        """The vector as floats (vLLM's `EmbeddingOutput.embedding`)."""
+        return self.data.tolist()
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request gives back once (`LLM.embed`, the embeddings route): its
+    prompt's vector; `outputs` None when it was aborted before it was pooled."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    def add(self, later: PoolingRequestOutput) -> None:
+        """(`RequestStream`'s merge: a pooling request has one output, the later wins.)"""
+        self.outputs, self.finished = later.outputs, later.finished
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # the cosine similarity of the two texts' embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (`LLM.score`, vLLM's shape): `outputs.score`; the token ids of both
+    texts, the first's then the second's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

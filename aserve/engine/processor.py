@@ -10,6 +10,10 @@ the one place it is checked), logit-bias ids; a structured-output constraint is 
 too (a bad one is a ValueError). What the engine adds — the default `max_tokens`, the model's
 EOS ids, the compiled grammar — goes on its copy of the params and on the engine's `Request`,
 never on the user's `SamplingParams`.
+
+A pooling request (`PoolingParams`, for a model the pooling runner serves) takes the same
+path: its copy gets the model's pooling defaults (`ModelInfo.pooler`), `dimensions` is checked
+against the hidden size. Each runner refuses the other's requests here, naming `--runner`.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from dataclasses import dataclass, replace
 
 from aserve.config import KVTransferConfig, ModelInfo
 from aserve.core.request import Request
-from aserve.engine.output_processor import ParentRequest
+from aserve.engine.output_processor import ParentRequest, PoolingRequest
 from aserve.engine.tokenizer import Tokenizer
 from aserve.kv_transfer import check_params
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import (
     MAX_CACHE_SALT_CHARS,
     SamplingParams,
@@ -33,6 +38,9 @@ from aserve.sampling_params import (
 from aserve.structured_output import CompiledGrammar, GrammarCompiler
 
 PromptType = str | Mapping
+# What a pooling request's `Request` carries as sampling params: nothing it uses (it samples
+# nothing; `Request.max_tokens` is 0 for it)
+POOLING_SAMPLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 @dataclass(frozen=True)
@@ -53,9 +61,14 @@ class PreparedRequest:
     own state for it, the constraint compiled for this tokenizer."""
 
     prompt: ProcessedPrompt
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     grammar: CompiledGrammar | None = None
     priority: int = 0
+
+    @property
+    def num_engine_requests(self) -> int:
+        """Sequences it starts: `n` completions, or one pooled prompt."""
+        return self.params.n if isinstance(self.params, SamplingParams) else 1
 
 
 class ContextLengthError(ValueError):
@@ -160,21 +173,26 @@ class Processor:
             raise ValueError(f"Token id {bad} in {field_name} is out of vocabulary "
                              f"(the model has {vocab_size} tokens).")
 
-    def prepare(self, prompt: ProcessedPrompt, params: SamplingParams,
+    def prepare(self, prompt: ProcessedPrompt, params: SamplingParams | PoolingParams,
                 priority: int = 0) -> PreparedRequest:
         """`prompt` and `params` as one request for the engine, its constraint compiled here
         (blocking: the offline `LLM`; the server uses `prepare_async`)."""
+        if isinstance(params, PoolingParams):
+            return self.prepare_pooling(prompt, params, priority)
         params = self.check_params(params, len(prompt.prompt_token_ids))
         spec = self._grammar_spec(params)
         grammar = (self.grammar_compiler().compile(spec, self._start_after_ids(spec))
                    if spec is not None else None)
         return PreparedRequest(prompt, params, grammar, priority)
 
-    async def prepare_async(self, prompt: ProcessedPrompt, params: SamplingParams,
+    async def prepare_async(self, prompt: ProcessedPrompt,
+                            params: SamplingParams | PoolingParams,
                             priority: int, compile_timeout: float) -> PreparedRequest:
         """`prepare` for the event loop: the constraint compiles in the compiler's worker
         processes (no thread of the loop's waits on it), cheap ones first; one still compiling
         after `compile_timeout` seconds is killed and refused (ValueError)."""
+        if isinstance(params, PoolingParams):
+            return self.prepare_pooling(prompt, params, priority)
         params = self.check_params(params, len(prompt.prompt_token_ids))
         spec = self._grammar_spec(params)
         grammar = None
@@ -184,9 +202,32 @@ class Processor:
                                                    compile_timeout)
         return PreparedRequest(prompt, params, grammar, priority)
 
+    def prepare_pooling(self, prompt: ProcessedPrompt, params: PoolingParams,
+                        priority: int = 0) -> PreparedRequest:
+        """A pooling request: a copy of `params` with the model's defaults in (pooling type,
+        normalisation), `dimensions` at most the hidden size; ValueError on a model the
+        generate runner serves."""
+        pooler = self.model_info.pooler
+        if pooler is None:
+            raise ValueError("This model runs the generate runner: it does not pool "
+                             "(embeddings, score, rerank). Start aserve with --runner pooling "
+                             "to embed with it.")
+        hidden_size = self.model_info.hidden_size
+        if params.dimensions is not None and params.dimensions > hidden_size:
+            raise ValueError(f"dimensions must be at most the model's hidden size "
+                             f"({hidden_size}), got {params.dimensions}.")
+        params = replace(params, pooling_type=params.pooling_type or pooler.pooling_type,
+                         normalize=(pooler.normalize if params.normalize is None
+                                    else params.normalize))
+        return PreparedRequest(prompt, params, None, priority)
+
     def check_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A copy of `params` checked against the model and the context (`check_context`),
         its `max_tokens` filled in when None."""
+        if self.model_info.pooler is not None:
+            raise ValueError("This model runs the pooling runner: it does not generate "
+                             "(completions, chat); it answers /v1/embeddings, /v1/score and "
+                             "/rerank. Start aserve with --runner generate to generate.")
         if params.logit_bias:
             self.check_token_ids(params.logit_bias, "logit_bias")
         if params.stop_token_ids:
@@ -232,10 +273,16 @@ class Processor:
             return self._grammar_compiler
 
     def make_requests(self, request_id: str, prepared: PreparedRequest, stream: bool = False
-                      ) -> tuple[ParentRequest, list[Request]]:
+                      ) -> tuple[ParentRequest | PoolingRequest, list[Request]]:
         """The user request, and the engine requests that generate it: one, or `n` children
-        (ids `"{i}_{request_id}"`, seeds `seed + i`) that share the prompt's cached blocks."""
+        (ids `"{i}_{request_id}"`, seeds `seed + i`) that share the prompt's cached blocks; a
+        pooling request's one engine request, of its id."""
         prompt, params = prepared.prompt, prepared.params
+        if isinstance(params, PoolingParams):
+            return (PoolingRequest(request_id, prompt.prompt, prompt.prompt_token_ids),
+                    [Request(request_id, prompt.prompt_token_ids, POOLING_SAMPLING_PARAMS,
+                             priority=prepared.priority, cache_salt=prompt.cache_salt,
+                             pooling_params=params)])
         parent = ParentRequest(request_id, prompt.prompt, prompt.prompt_token_ids, params,
                                completions=[None] * params.n, stream=stream)
         engine_state = dict(priority=prepared.priority, cache_salt=prompt.cache_salt,

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from aserve.config import MoEConfig
+from aserve.config import BARE_DECODERS, MoEConfig
 from aserve.models.moe_config import moe_config
 from aserve.quantization.hf_checkpoint import check_quantization
 
@@ -83,7 +83,7 @@ class ModelArchConfig:
         archs = hf_config.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no `architectures` entry.")
-        arch = archs[0]
+        arch = BARE_DECODERS.get(archs[0], archs[0])  # a bare decoder: its causal LM's stack
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **_text_config(hf_config)}
         act = _hidden_act(arch, cfg)
         if cfg.get("use_bidirectional_attention"):

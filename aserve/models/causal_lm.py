@@ -21,7 +21,8 @@ from aserve.models.arch_config import ModelArchConfig
 
 class CausalLM(nn.Module):
     """Build it under the target default dtype and device (the loader does); parameters are
-    empty until weights are loaded."""
+    empty until weights are loaded. `lm_head=False` (the pooling runner's: embeddings from the
+    final hidden states) builds none, and the checkpoint's, if any, is skipped."""
 
     # checkpoint module name -> (packed module name, shard id for its weight_loader)
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
@@ -34,15 +35,20 @@ class CausalLM(nn.Module):
 
     # checkpoint name prefix -> this model's (None: a tensor the model skips), tried first
     checkpoint_prefixes: ClassVar[dict[str, str | None]] = {}
+    # A bare decoder's checkpoint (HF's `*Model`, e.g. Qwen3-Embedding) names the stack's
+    # tensors without `model.`: tried after `checkpoint_prefixes`
+    bare_prefixes: ClassVar[dict[str, str]] = {
+        "embed_tokens.": "model.embed_tokens.", "layers.": "model.layers.",
+        "norm.": "model.norm."}
     # (regex, replacement) applied to every checkpoint name, after `checkpoint_prefixes`
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
 
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, lm_head: bool = True) -> None:
         super().__init__()
         self.arch = arch
         self.model = self.build_stack(arch)
         self.lm_head = None
-        if self.model.is_last:
+        if self.model.is_last and lm_head:
             self.lm_head = LMHead(arch.vocab_size, arch.hidden_size)
             if arch.tie_word_embeddings:
                 self.lm_head.tie_to(self.model.embed_tokens)

@@ -68,7 +68,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str = "cpu",
         logger.info("a quantized checkpoint runs in %s on this platform (config.json says "
                     "float16; --dtype float16 keeps it)", str(dtype).removeprefix("torch."))
     with default_dtype(dtype), torch.device(device):
-        model = model_cls(arch)
+        model = model_cls(arch, lm_head=model_config.pooler is None)
     quantization = config.get("quantization_config")
     load_weights(model, weight_files(model_dir), arch.tie_word_embeddings, quantization,
                  keep_integers=not model_config.dequantize)
@@ -258,7 +258,8 @@ def load_weights(model: CausalLM, files: list[Path], tied: bool,
     tensor (`expert_target`: only this rank's experts are read) before the packed-module
     renames, so `experts.{e}.gate_proj` is an expert's and `mlp.gate_proj` the dense MLP's.
     """
-    packed, prefixes = model.packed_modules, model.checkpoint_prefixes
+    packed = model.packed_modules
+    prefixes = {**model.checkpoint_prefixes, **model.bare_prefixes}
     renames, owns = model.checkpoint_renames, model.owns_weight  # (another stage's: skipped)
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []

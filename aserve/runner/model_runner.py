@@ -5,7 +5,10 @@ It keeps its own `CachedRequestState` for each running request and their block t
 scheduled tokens into one ragged batch, runs the model, computes logits only where a request
 samples, and samples. Two features that cut across the step are objects of their own, called
 the same way whether on or off: the constrained rows' masks (`GrammarMasks`) and the KV
-connector's hooks (`KVConnectorHooks`, or `NO_OP_KV_CONNECTOR`).
+connector's hooks (`KVConnectorHooks`, or `NO_OP_KV_CONNECTOR`). The pooling runner
+(`--runner pooling`: a model without LM head) ends each step in its `Pooler` instead of the
+logits and the sampler: `run_model` hands back the final hidden states and `finish_step` the
+pooled vectors.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from aserve.runner.kv_connector_hooks import (
     KVConnectorHooks,
     NoOpKVConnectorHooks,
 )
+from aserve.runner.pooler import Pooler
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
 from aserve.runner.sampling_metadata import SamplingMetadata
@@ -132,6 +136,8 @@ class ModelRunner:
         self.kv_caches_by_layer: dict[int, torch.Tensor] = {}  # model layer → its buffer
         self.grammar_masks = GrammarMasks(self.vocab_size, device,
                                           check_greedy_tokens=platform.computes_on_host)
+        # the pooling runner's end of each step (None: this runner samples)
+        self.pooler = Pooler(device) if model_config.pooler is not None else None
         # speculative decoding's draft model (`spec_draft.py`) or EAGLE head (`spec_eagle.py`),
         # on rank 0 (which samples; it drafts for all); None: drafts, if any, come from the
         # scheduler's lookups. `streams`: the target's hidden states the EAGLE head reads
@@ -214,7 +220,8 @@ class ModelRunner:
         input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self._tensor(positions), metadata)
         last_rows = starts[1:].astype(np.int64) - 1
-        self.model.compute_logits(gather_rows(hidden, last_rows, num_tokens))
+        if self.pooler is None:  # (a pooling model has no LM head)
+            self.model.compute_logits(gather_rows(hidden, last_rows, num_tokens))
         self.platform.synchronize(self.device)
 
     # ------------------------------------------------------------------ state
@@ -233,6 +240,7 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids),
                 stop_token_ids=new.stop_token_ids,
                 compiled_grammar=new.grammar,
+                pooling_params=new.pooling_params,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
@@ -295,6 +303,8 @@ class ModelRunner:
         """The logits (received from the last stage if need be), sampling, prompt logprobs."""
         if not step.req_ids:  # no forward: the KV connector's report alone (None without one)
             return ModelRunnerOutput([], [], kv_connector_output=step.kv_output)
+        if self.pooler is not None:  # the pooling runner: vectors, nothing sampled
+            return self.pooler.finish(step)
         states, inputs, logits = step.states, step.inputs, step.logits
         # (the EAGLE head's streams come before the logits from the last stage)
         streams = (self.streams.collect(len(inputs.input_ids), self.device)
@@ -419,7 +429,8 @@ class ModelRunner:
 
     @_no_grad
     def run_model(self, inputs: PreparedInputs) -> torch.Tensor | None:
-        """The forward and the logits of `inputs.logits_indices`: every rank runs this on the
+        """The forward and the logits of `inputs.logits_indices` (the pooling runner: the final
+        hidden states of every row, [T, hidden]): every rank runs this on the
         same inputs (its collectives pair up), only rank 0 samples. Under pipeline parallelism
         each stage runs its layers and sends its hidden states on (without waiting for them to
         arrive); only the last stage returns logits, which it also sends back to stage 0. Under
@@ -445,6 +456,8 @@ class ModelRunner:
         if stage < num_stages - 1:
             send_to_stage(list(out), stage + 1)
             return None
+        if self.pooler is not None:  # every row's final hidden state, for the pooler (one
+            return out  # stage, no SP: the pooling runner refuses them; TP ranks hold all rows)
         hidden = gather_rows(out, inputs.logits_indices, len(inputs.input_ids))
         if get_sp_rank() > 0:
             return None  # (the first SP rank's logits are the ones sampled)

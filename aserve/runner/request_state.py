@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from aserve.pooling_params import PoolingParams
 from aserve.sampling_params import SamplingParams
 from aserve.structured_output import CompiledGrammar, GrammarMatcher
 
@@ -22,6 +24,10 @@ class CachedRequestState:
     # ignore_eos), and its constraint compiled for the model's tokenizer
     stop_token_ids: frozenset[int] = frozenset()
     compiled_grammar: CompiledGrammar | None = None
+    # A pooling request's (the pooling runner's), and what its earlier chunks left for the
+    # pooler (`runner/pooler.py`: MEAN's running sum, CLS's first row), on the device
+    pooling_params: PoolingParams | None = None
+    pooling_partial: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids

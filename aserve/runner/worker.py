@@ -85,6 +85,8 @@ class Worker:
             layer_windows=arch.layer_windows,
             kv_cache_key=self.kv_cache_key,
             quantization=self.runner.quantization,
+            hidden_size=arch.hidden_size,
+            pooler=self.model_config.pooler,
         )
 
     def needs_profiling(self, kv_cache_memory: int | None) -> bool:
@@ -134,7 +136,8 @@ class Worker:
                             kv_cache_groups: Sequence[KVCacheGroupSpec]) -> None:
         """Allocate the cache; then, where the platform has graphs, capture decode batches (not
         under the MoE all-to-all combine, whose split sizes the host reads every step, nor
-        under sequence parallelism, whose rows the graphs do not split)."""
+        under sequence parallelism, whose rows the graphs do not split; nor for the pooling
+        runner, whose requests are prefill only)."""
         self.runner.initialize_kv_cache(num_blocks, kv_cache_groups)
         if self.kv_transfer_config is not None:
             connector = create_connector(self.kv_transfer_config, KVConnectorRole.WORKER,
@@ -143,7 +146,7 @@ class Worker:
             self.runner.bind_kv_connector(connector)
         all_to_all = get_ep_size() > 1 and get_moe_combine() == "all-to-all"
         if (self.platform.supports_graphs and not self.enforce_eager and get_pp_size() == 1
-                and not all_to_all and get_sp_size() == 1):
+                and not all_to_all and get_sp_size() == 1 and self.model_config.pooler is None):
             max_blocks = -(-self.model_info().max_model_len // self.block_size)
             self.runner.capture_graphs(default_capture_sizes(self.max_num_seqs), max_blocks,
                                        self.num_speculative_tokens)

@@ -36,6 +36,10 @@ runner's token list then runs ahead of the scheduler's by the tokens in flight.
 `step_seconds(num_prefill_tokens, num_decode_tokens)`, when given, is the duration each step
 reports (the scheduler's step cost model learns from it); by default steps report none.
 
+A pooling request (`NewRequestData.pooling_params`) samples nothing: the step that computes its
+last prompt token "pools" it, `pooler_output[req_id] = (first position this runner computed,
+prompt length)`, so tests see whether it took a prefix hit.
+
 `kv_worker(runner, scheduler_output)`, when given, plays a KV connector's worker side before
 each step's forward: it returns the step's `KVConnectorOutput` and writes what it loads with
 `load_kv` (so that the read checks see loaded K/V as a real load would leave it).
@@ -89,6 +93,8 @@ class _RunnerState:
     num_computed_tokens: int
     cache_salt: str | None
     step_start: int = 0  # num_computed_tokens before this step
+    pooling: bool = False  # a pooling request: pooled, never sampled
+    first_computed: int = 0  # its computed count when it arrived (a prefix hit's length)
 
 
 class FakeRunner:
@@ -226,10 +232,13 @@ class FakeRunner:
         accepted = {req_id: self._verify(req_id, spec[req_id]) for req_id in req_ids
                     if spec.get(req_id)}
         sampled: list[int | None] = []
+        pooled = {}
         for req_id in req_ids:
             state = self.states[req_id]
             token_id = None
-            if state.num_computed_tokens == len(state.tokens):
+            if state.num_computed_tokens == len(state.tokens) and state.pooling:
+                pooled[req_id] = (state.first_computed, len(state.tokens))
+            elif state.num_computed_tokens == len(state.tokens):
                 token_id = self.token_fn(req_id, len(state.tokens))
                 state.tokens.append(token_id)
             sampled.append(token_id)
@@ -244,7 +253,8 @@ class FakeRunner:
                    if token_id is not None and asked.get(req_id)}
         return ModelRunnerOutput(req_ids, sampled, prompt_logprobs=prompt_logprobs,
                                  forward_seconds=seconds, kv_connector_output=kv_output,
-                                 num_accepted_drafts=accepted, draft_token_ids=drafted)
+                                 num_accepted_drafts=accepted, draft_token_ids=drafted,
+                                 pooler_output=pooled)
 
     def _draft(self, req_id: str, count: int) -> list[int]:
         """A draft model's `count` drafts after a sampled token (at most the scheduler's
@@ -290,7 +300,8 @@ class FakeRunner:
             self.states[new.req_id] = _RunnerState(
                 new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
                 new.sampling_params, [list(ids) for ids in new.block_ids],
-                new.num_computed_tokens, salt)
+                new.num_computed_tokens, salt, pooling=new.pooling_params is not None,
+                first_computed=new.num_computed_tokens)
         for cached in output.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens
