@@ -9,6 +9,7 @@ a mounted sub-app, so a parent app enters `aserve_lifespan(app)` from its own li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from aserve.server.errors import EXCEPTION_HANDLERS, error_response
 from aserve.server.frontend import frontend_routes
 from aserve.server.metrics import ServerMetrics
 from aserve.server.openapi import openapi_json
+from aserve.server.pooling import create_embedding, create_rerank, create_score
 from aserve.server.reasoning_parsers import get_reasoning_parser
 from aserve.server.responses_api import (
+    cancel_response,
     create_response,
     delete_response,
     list_input_items,
@@ -85,6 +88,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.responses = ResponseStore(config.max_stored_responses,
                                        config.max_stored_response_bytes)
+        self.background: dict[str, asyncio.Task] = {}  # background responses running
         self.chat_template = _read_template(config.chat_template)
         if config.tool_call_parser is not None:
             get_tool_parser(config.tool_call_parser)  # ValueError now, not at each request
@@ -153,11 +157,16 @@ def build_app(engine_args: EngineArgs, config: ServerConfig | None = None) -> St
             Route("/detokenize", routes.detokenize, methods=["POST"]),
             Route("/v1/completions", create_completion, methods=["POST"]),
             Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+            Route("/v1/embeddings", create_embedding, methods=["POST"]),
+            *(Route(path, create_score, methods=["POST"]) for path in ("/v1/score", "/score")),
+            *(Route(path, create_rerank, methods=["POST"])
+              for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/responses", create_response, methods=["POST"]),
             Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/input_items", list_input_items,
                   methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             *pages,
         ],

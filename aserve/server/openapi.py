@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Mount
 from starlette.staticfiles import StaticFiles
 
 import aserve
-from aserve.server import protocol, responses, responses_items
+from aserve.server import pooling_protocol, protocol, responses, responses_items
 from aserve.server.auth import needs_api_key
 from aserve.server.dashboard import DashboardStats
 from aserve.server.errors import ErrorResponse
@@ -109,6 +109,18 @@ OPERATIONS = {
         "Answer a conversation.", protocol.ChatCompletionRequest,
         responses.ChatCompletionResponse, responses.ChatCompletionStreamResponse,
         errors=GENERATION_ERRORS),
+    "/v1/embeddings": Operation(
+        "Embed texts or token ids (the pooling runner; 400 on a generating model).",
+        pooling_protocol.EmbeddingRequest, pooling_protocol.EmbeddingResponse,
+        errors=GENERATION_ERRORS),
+    **{path: Operation(
+        "Score text pairs: the cosine of their embeddings (the pooling runner).",
+        pooling_protocol.ScoreRequest, pooling_protocol.ScoreResponse,
+        errors=GENERATION_ERRORS) for path in ("/v1/score", "/score")},
+    **{path: Operation(
+        "Rerank documents by the cosine of their embedding with the query's (the pooling "
+        "runner).", pooling_protocol.RerankRequest, pooling_protocol.RerankResponse,
+        errors=GENERATION_ERRORS) for path in ("/rerank", "/v1/rerank", "/v2/rerank")},
     "/v1/responses": Operation(
         "Create a response (OpenAI's Responses API): the Response object; with "
         "`\"stream\": true`, its typed events (`event: <type>`, `data: <event JSON>`).",
@@ -116,6 +128,10 @@ OPERATIONS = {
     "/v1/responses/{response_id}": Operation(
         "GET: a stored response; DELETE: forget it (404: never stored, deleted or evicted).",
         response=RESPONSE_SCHEMA, errors=(404,), parameters=[RESPONSE_ID]),
+    "/v1/responses/{response_id}/cancel": Operation(
+        "Cancel a background response: stored as cancelled (a finished one is returned as "
+        "it is; 400: not a background response).", response=RESPONSE_SCHEMA,
+        errors=(400, 404), parameters=[RESPONSE_ID]),
     "/v1/responses/{response_id}/input_items": Operation(
         "A stored response's input items, a list page (`order`, `limit`, `after`).",
         response={"type": "object"}, errors=(400, 404), parameters=[RESPONSE_ID]),

@@ -1,5 +1,5 @@
-"""The Responses API: `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` and
-`GET /v1/responses/{id}/input_items`.
+"""The Responses API: `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items` and `POST /v1/responses/{id}/cancel`.
 
 A response is a chat completion underneath (`responses_items.py` turns the request into one,
 `chat.start_chat` runs it), so tools, tool parsers, JSON schemas and reasoning parsers work as
@@ -19,10 +19,13 @@ OpenAI's typed events, each sent as `event: <type>` + `data: {...}` with a `sequ
     and response.failed when the engine failed)
 
 Stored responses (`responses_store.py`) keep their conversation for `previous_response_id`.
+A background response (`background: true`) is answered in progress at once and polled.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import json
 import time
@@ -43,6 +46,7 @@ from aserve.server.serving import (
     Generation,
     check_model,
     collect_or_abort,
+    merged_outputs,
     parse_body,
     running_engine,
     server_state,
@@ -60,6 +64,10 @@ async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     check_model(request, body.model)
     state = server_state(request)
+    if body.background and state.config.max_stored_responses == 0:
+        raise ServerError("background: this server stores no responses "
+                          "(--max-stored-responses 0), so none could be polled.", 400,
+                          "background")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = state.responses.get(body.previous_response_id)
@@ -78,12 +86,14 @@ async def create_response(request: Request) -> Response:
     except ServerError as e:
         raise as_responses_error(e) from e
     reply = ResponseView(body, state.model_name, response_id, view, history + messages, items)
+    if body.background:
+        return JSONResponse(reply.start_in_background(state, generations))
     if body.stream:
         return EventStream(reply.events(request, generations), generations,
                            state.config.stream_stall_timeout)
     results = await collect_or_abort(request, generations)
     response = reply.finish(view.response(generations[0], results[0]))
-    reply.store(request, response)
+    reply.store(state, response)
     return JSONResponse(response)
 
 
@@ -126,10 +136,31 @@ async def retrieve_response(request: Request) -> Response:
 
 
 async def delete_response(request: Request) -> Response:
+    """Forgets a stored response (one still running in the background is cancelled first)."""
     response_id = request.path_params["response_id"]
+    await _cancel(request, response_id)
     if not server_state(request).responses.delete(response_id):
         _stored(request)  # the 404
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: Request) -> Response:
+    """`POST /v1/responses/{id}/cancel`: a background response stops (its generation aborted)
+    and is stored as cancelled; one that has finished is returned as it is."""
+    response_id = request.path_params["response_id"]
+    await _cancel(request, response_id)
+    stored = _stored(request)
+    if not stored.response.get("background"):
+        raise ServerError("Only a background response can be cancelled.", 400, "response_id")
+    return JSONResponse(stored.response)
+
+
+async def _cancel(request: Request, response_id: str) -> None:
+    task = server_state(request).background.get(response_id)
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def list_input_items(request: Request) -> Response:
@@ -184,7 +215,7 @@ class ResponseView:
         fmt = body.text.format if body.text is not None else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
-            "status": status, "background": False, "error": error,
+            "status": status, "background": bool(body.background), "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "max_tool_calls": None, "model": self.model, "output": output,
@@ -226,12 +257,37 @@ class ResponseView:
         return self.skeleton("incomplete" if incomplete else "completed", output, usage,
                              incomplete)
 
-    def store(self, request: Request, response: dict[str, Any]) -> None:
-        """Kept for retrieval and continuation, unless `store: false` (or it failed)."""
-        if self.body.store is False or response["status"] == "failed":
-            return
-        server_state(request).responses.put(StoredResponse(
-            response, self.conversation + reply_messages(response["output"]), self.items))
+    def store(self, state, response: dict[str, Any]) -> None:
+        """Kept for retrieval and continuation, unless `store: false`."""
+        if self.body.store is not False:
+            state.responses.put(StoredResponse(
+                response, self.conversation + reply_messages(response["output"]), self.items))
+
+    def start_in_background(self, state, generations: list[Generation]) -> dict[str, Any]:
+        """`background: true`: the response, stored in progress, is answered at once; a task
+        of the loop collects the generation and stores the result — completed, incomplete,
+        failed, or cancelled (`cancel_response`). The client going away does not stop it;
+        the engine's admission bounds how many run."""
+        started = self.skeleton("in_progress", [])
+        self.store(state, started)
+        task = asyncio.create_task(self._finish_in_background(state, generations))
+        state.background[self.id] = task
+        task.add_done_callback(lambda _: state.background.pop(self.id, None))
+        return started
+
+    async def _finish_in_background(self, state, generations: list[Generation]) -> None:
+        try:
+            results: list[list] = [[] for _ in generations]
+            async for i, output in merged_outputs(generations):
+                results[i].append(output)
+            response = self.finish(self.chat.response(generations[0], results[0]))
+        except asyncio.CancelledError:  # (merged_outputs has aborted the generation)
+            response = self.skeleton("cancelled", [])
+        except Exception as e:  # noqa: BLE001 - the poller reads it in the stored response
+            message = e.message if isinstance(e, ServerError) else str(e)
+            response = self.skeleton("failed", [], error={"code": "server_error",
+                                                          "message": message})
+        self.store(state, response)
 
     async def events(self, request: Request, generations: list[Generation]
                      ) -> AsyncIterator[str]:
@@ -242,7 +298,7 @@ class ResponseView:
                 yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
         finally:
             if events.final is not None:
-                self.store(request, events.final)
+                self.store(server_state(request), events.final)
 
 
 def reply_items(message: ChatResponseMessage, logprobs: list[dict], status: str

@@ -88,9 +88,9 @@ class ReasoningConfig(StrictModel):
 
 class ResponsesRequest(StrictModel):
     """`POST /v1/responses`. Fields that would change the result and are not supported are
-    refused (background, conversation, prompt templates, max_tool_calls, tools other than
-    functions); the ones that change nothing here (service_tier, user, safety_identifier,
-    prompt_cache_key, stream_options, verbosity) are ignored."""
+    refused (conversation, prompt templates, max_tool_calls, tools other than functions,
+    background with stream); the ones that change nothing here (service_tier, user,
+    safety_identifier, prompt_cache_key, stream_options, verbosity) are ignored."""
 
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_CHAT_MESSAGES)]
@@ -131,13 +131,15 @@ class ResponsesRequest(StrictModel):
     cache_salt: Any = None
     priority: Any = None
 
-    @field_validator("background", mode="before")
-    @classmethod
-    def _no_background(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("background: background responses are not supported; leave it "
-                             "unset and stream instead (stream: true).")
-        return value
+    @model_validator(mode="after")
+    def _background_is_stored_and_polled(self) -> ResponsesRequest:
+        if self.background and self.store is False:
+            raise ValueError("background: a background response is stored (it is polled with "
+                             "GET /v1/responses/{id}); store: false cannot be combined with it.")
+        if self.background and self.stream:
+            raise ValueError("background: a streamed background response is not supported; "
+                             "poll it with GET /v1/responses/{id} instead.")
+        return self
 
     @field_validator("max_tool_calls", "conversation", "prompt", mode="before")
     @classmethod

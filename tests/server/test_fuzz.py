@@ -1,6 +1,7 @@
 """Fuzzing the HTTP API with hypothesis: whatever the body of a POST to /v1/completions,
-/v1/chat/completions, /v1/responses, /tokenize or /detokenize — any JSON, a valid body with one field replaced by
-any JSON, raw or truncated bytes, or a body generated from the app's own `/openapi.json` — the
+/v1/chat/completions, /v1/responses, /tokenize or /detokenize — any JSON, a valid body with one
+field replaced by any JSON, raw or truncated bytes, or a body generated from the app's own
+`/openapi.json` — the
 server answers 2xx with a well-formed body or 4xx in OpenAI's error shape, never 5xx, and keeps
 serving. Cost stays small: `max_model_len` is 32 (whatever `max_tokens` the fuzzer picks), and
 generated `n`, arrays and objects are capped.

@@ -156,6 +156,27 @@ def test_stored_responses_are_retrieved_listed_and_deleted(client):
     assert error.value.body["param"] == "previous_response_id"
 
 
+def test_background_responses_are_polled_and_cancelled(client):
+    import time
+
+    kwargs = dict(input="Tell me", max_output_tokens=5, **GREEDY)
+    started = client.responses.create(**kwargs, background=True)
+    assert started.status == "in_progress" and started.background
+    deadline = time.monotonic() + 30
+    while (polled := client.responses.retrieve(started.id)).status == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert polled.status == "incomplete"
+    assert polled.output_text == client.responses.create(**kwargs).output_text
+    long = client.responses.create(input="Go on", max_output_tokens=100, background=True,
+                                   extra_body={"ignore_eos": True}, **GREEDY)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.id == long.id
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):  # not a background response
+        client.responses.cancel(client.responses.create(**kwargs).id)
+
+
 def test_truncation_auto_drops_the_oldest_turns(url):
     turn = "word " * 40
     conversation = [{"role": role, "content": turn} for role in ["user", "assistant"] * 3]
@@ -174,7 +195,8 @@ def test_truncation_auto_drops_the_oldest_turns(url):
      400, "input", "input_image"),
     ({"input": [{"role": "robot", "content": "x"}]}, 400, "input", "role"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
-    ({"input": "x", "background": True}, 400, "background", "background"),
+    ({"input": "x", "background": True, "stream": True}, 400, None, "background"),
+    ({"input": "x", "background": True, "store": False}, 400, None, "background"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens", ""),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, 400,
      "text.format", "schema"),
