@@ -1,10 +1,10 @@
 """The API key: which paths need it (`needs_api_key`) and the middleware that checks it.
 
-`/v1/*`, `/tokenize`, `/detokenize` and the dashboard's figures need `Authorization: Bearer
-<key>` (tokenizing runs the chat template, a request's own included, so it is guarded like
-generation); the web pages and their static files do not (they hold no data: the page sends
-the key with its own calls), nor do the operational routes SECURITY.md lists. Paths are read
-under the mount's root path.
+`/v1/*`, `/tokenize`, `/detokenize`, the pooling routes outside `/v1` (`/score`, `/rerank`,
+`/v2/rerank`) and the dashboard's figures need `Authorization: Bearer <key>` (tokenizing runs
+the chat template, a request's own included, so it is guarded like generation); the web pages
+and their static files do not (they hold no data: the page sends the key with its own calls),
+nor do the operational routes SECURITY.md lists. Paths are read under the mount's root path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from aserve.server.errors import error_response
 from aserve.server.frontend import STATS_PATH
 
 GUARDED_PREFIX = "/v1"
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", STATS_PATH})
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank",
+                           STATS_PATH})
 
 
 def needs_api_key(path: str) -> bool:
