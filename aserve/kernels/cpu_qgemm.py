@@ -1,8 +1,8 @@
-"""Weight-only int8 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight stays
-in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group), packed
-once at load into the bf16 GEMM's panels of 48 outputs, 4 or 8 bits a value plus an fp16 scale
-and min per group and output; activations are quantized to int8 per row and group as each GEMM
-starts, and `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
+"""Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight
+stays in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group),
+packed once at load into the bf16 GEMM's panels of 48 outputs, 4, 6 or 8 bits a value plus an
+fp16 scale and min per group and output; activations are quantized to int8 per row and group as
+each GEMM starts, and `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
 
 A decode step streams every weight once, so its time is bytes / bandwidth: int4 streams about
 a third of bf16's bytes (4 bits + 32 bits of scale and min a group of 32), int8 about half.
@@ -35,8 +35,9 @@ def available() -> bool:
 
 
 def storage_bits(bits: int) -> int:
-    """The bits a packed value takes: 4 for values of up to 4 bits, else 8."""
-    return 4 if bits <= 4 else 8
+    """The bits a packed value takes: 4 for values of up to 4 bits, 6 for 5 and 6 (Q5_*,
+    Q6_K), else 8."""
+    return 4 if bits <= 4 else 6 if bits <= 6 else 8
 
 
 class QuantPackedWeight(PackedGemm):

@@ -1,4 +1,4 @@
-// Weight-only int8 / int4 GEMM for CPUs with AVX512-VNNI: y = x @ W^T (+ b) where W is stored
+// Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI: y = x @ W^T (+ b) where W is stored
 // as unsigned integers with a scale and a min per group of G inputs (the C++ of
 // aserve/kernels/cpu_qgemm.py, whose `reference` is its torch twin):
 //
@@ -22,6 +22,9 @@
 //
 //   8 bits: data[kq, v, j, t]  = q[48 p + 16 v + j, G g + 4 kq + t]                  (48 G bytes)
 //   4 bits: data[k8, v, j, t]  = q[.., G g + 8 k8 + t] | q[.., G g + 8 k8 + 4 + t] << 4 (24 G)
+//   6 bits: 4 bits' layout of the low nibbles (24 G), then the top two bits of 16 inputs a
+//           byte run: high[k16, v, j, t] = sum_s (q[.., G g + 16 k16 + 4 s + t] >> 4) << 2 s
+//           (12 G; Q6_K, and the 5-bit types, in 6/8 of int8's bytes)
 //   then scale[48] and min[48] as fp16 (192 bytes)
 //
 // A packed weight is uint8 [panels, K / G, group bytes]: K / G and the group's bytes say G and
@@ -71,7 +74,9 @@ static QuantLayout quant_layout(const torch::Tensor& packed, int64_t K) {
   const int64_t groups = packed.size(1), gb = packed.size(2);
   TORCH_CHECK(groups > 0 && K % groups == 0, "qgemm: ", K, " inputs in ", groups, " groups");
   const int64_t G = K / groups;
-  const int64_t bits = gb == quant_group_bytes(G, 4) ? 4 : gb == quant_group_bytes(G, 8) ? 8 : 0;
+  int64_t bits = 0;
+  for (const int64_t b : {4, 6, 8})
+    if (gb == quant_group_bytes(G, b)) bits = b;
   TORCH_CHECK(bits != 0 && G % 16 == 0, "qgemm: group bytes ", gb, " fit no layout of G = ", G);
   return {G, bits, gb, groups};
 }
@@ -81,7 +86,7 @@ static QuantLayout quant_layout(const torch::Tensor& packed, int64_t K) {
 torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor mins, int64_t bits,
                          bool gated) {
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "qgemm_pack: q is uint8 [N, K]");
-  TORCH_CHECK(bits == 4 || bits == 8, "qgemm_pack: 4 or 8 bits, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qgemm_pack: 4, 6 or 8 bits, not ", bits);
   const int64_t N = q.size(0), K = q.size(1);
   TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 &&
                   scale.sizes() == mins.sizes() && scale.scalar_type() == at::kHalf &&
@@ -108,11 +113,15 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor min
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* base = dst + (p * groups + g) * gb;
         const uint8_t* row = src + n * K + g * G;
+        uint8_t* high = base + kPanel * G / 2;  // 6 bits: the top two bits' run
         for (int64_t k = 0; k < G; ++k) {
-          if (bits == 8)
+          if (bits == 8) {
             base[((k / 4) * kPanel + lane) * 4 + k % 4] = row[k];
-          else
-            base[((k / 8) * kPanel + lane) * 4 + k % 4] |= row[k] << (4 * ((k % 8) / 4));
+            continue;
+          }
+          base[((k / 8) * kPanel + lane) * 4 + k % 4] |= (row[k] & 0x0F) << (4 * ((k % 8) / 4));
+          if (bits == 6)
+            high[((k / 16) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << (2 * ((k % 16) / 4));
         }
         at::Half* meta = reinterpret_cast<at::Half*>(base + gb - kQuantMeta);
         meta[lane] = sc[n * groups + g];
@@ -146,10 +155,14 @@ torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
         const at::Half* meta = reinterpret_cast<const at::Half*>(base + L.group_bytes -
                                                                  kQuantMeta);
         const float s = meta[lane], m = meta[kPanel + lane];
+        const uint8_t* high = base + kPanel * G / 2;
         for (int64_t k = 0; k < G; ++k) {
-          const int q = L.bits == 8 ? base[((k / 4) * kPanel + lane) * 4 + k % 4]
-                                    : (base[((k / 8) * kPanel + lane) * 4 + k % 4] >>
-                                       (4 * ((k % 8) / 4))) & 0x0F;
+          int q = L.bits == 8 ? base[((k / 4) * kPanel + lane) * 4 + k % 4]
+                              : (base[((k / 8) * kPanel + lane) * 4 + k % 4] >>
+                                 (4 * ((k % 8) / 4))) & 0x0F;
+          if (L.bits == 6)
+            q |= ((high[((k / 16) * kPanel + lane) * 4 + k % 4] >> (2 * ((k % 16) / 4))) & 3)
+                 << 4;
           dst[i * K + g * G + k] = s * static_cast<float>(q) + m;
         }
       }
@@ -217,7 +230,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
           }
         }
       }
-    } else if (R <= 2) {
+    } else if (R <= 2) {  // (4 or 6 bits: the low nibbles)
       // few rows: the high nibbles as they lie (16 q), into sums of their own, so no shift a
       // vector and two independent chains; 16 * sum is exact in int32 and shifted back once
       __m512i high[R][kVecs];
@@ -238,7 +251,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
       ASERVE_UNROLL for (int r = 0; r < R; ++r)
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
           dot[r][v] = _mm512_add_epi32(dot[r][v], _mm512_srai_epi32(high[r][v], 4));
-    } else {
+    } else {  // (4 or 6 bits: the low nibbles)
       ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
@@ -248,6 +261,27 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
             const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
             dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
             dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], hi, _mm512_set1_epi32(xr[1]));
+          }
+        }
+      }
+    }
+    if (Bits == 6) {
+      // q = nibble + 16 h: each h moved to bits 4-5 of its byte (16 h, unsigned), so its
+      // products add into the nibbles' sums as they are; one 16-bit shift and an AND a part
+      const uint8_t* top = w + kPanel * G / 2;
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+          const __m512i raw = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
+          const __m512i part[4] = {
+              _mm512_and_si512(_mm512_slli_epi16(raw, 4), bits45),
+              _mm512_and_si512(_mm512_slli_epi16(raw, 2), bits45),
+              _mm512_and_si512(raw, bits45),
+              _mm512_and_si512(_mm512_srli_epi16(raw, 2), bits45)};
+          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
+            ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
+              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part[sub], _mm512_set1_epi32(xr[sub]));
           }
         }
       }
@@ -278,18 +312,18 @@ using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, int64
 #define ASERVE_QTILES_G(B, G)                                                     \
   {ASERVE_QTILES(B, kPlain, G), ASERVE_QTILES(B, kGatedSplit, G),                 \
    ASERVE_QTILES(B, kGatedSilu, G), ASERVE_QTILES(B, kPlainFloat, G)}
-// [group: any, 16, 32][bits == 8][epilogue: gemm.h's first four][rows]: the groups of GGUF's
-// types have their loops unrolled; GPTQ / AWQ's larger ones run the general tiles
-static const QTile kQTiles[3][2][4][kQRows + 1] = {
-    {ASERVE_QTILES_G(4, 0), ASERVE_QTILES_G(8, 0)},
-    {ASERVE_QTILES_G(4, 16), ASERVE_QTILES_G(8, 16)},
-    {ASERVE_QTILES_G(4, 32), ASERVE_QTILES_G(8, 32)}};
+// [group: any, 16, 32][bits: 4, 6, 8][epilogue: gemm.h's first four][rows]: the groups of
+// GGUF's types have their loops unrolled; GPTQ / AWQ's larger ones run the general tiles
+static const QTile kQTiles[3][3][4][kQRows + 1] = {
+    {ASERVE_QTILES_G(4, 0), ASERVE_QTILES_G(6, 0), ASERVE_QTILES_G(8, 0)},
+    {ASERVE_QTILES_G(4, 16), ASERVE_QTILES_G(6, 16), ASERVE_QTILES_G(8, 16)},
+    {ASERVE_QTILES_G(4, 32), ASERVE_QTILES_G(6, 32), ASERVE_QTILES_G(8, 32)}};
 #undef ASERVE_QTILES_G
 #undef ASERVE_QTILES
 
 // The tiles (by rows, 1..kQRows) of a layout and an epilogue.
 static inline const QTile* qtiles(const QuantLayout& L, int epilogue) {
-  return kQTiles[L.group == 16 ? 1 : L.group == 32 ? 2 : 0][L.bits == 8][epilogue];
+  return kQTiles[L.group == 16 ? 1 : L.group == 32 ? 2 : 0][(L.bits - 4) / 2][epilogue];
 }
 
 #endif
