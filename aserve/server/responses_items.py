@@ -164,7 +164,12 @@ class ResponsesRequest(StrictModel):
             if kind != "function":
                 raise ValueError(f"tools.{i}.type: {kind!r} tools are not supported; this "
                                  "server runs function tools only.")
-            FunctionTool.model_validate(tool)  # (its errors name the tool's field)
+            try:
+                FunctionTool.model_validate(tool)
+            except ValidationError as e:
+                message, param = describe_validation_error(e)
+                raise ValueError(f"tools.{i}.{message}" if param else f"tools.{i}: {message}"
+                                 ) from None
         return value
 
     @field_validator("tool_choice", mode="before")

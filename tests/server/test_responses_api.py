@@ -195,6 +195,7 @@ def test_truncation_auto_drops_the_oldest_turns(url):
      400, "input", "input_image"),
     ({"input": [{"role": "robot", "content": "x"}]}, 400, "input", "role"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools", "web_search"),
+    ({"input": "x", "tools": [{"type": "function"}]}, 400, "tools", "tools.0.name"),
     ({"input": "x", "background": True, "stream": True}, 400, None, "background"),
     ({"input": "x", "background": True, "store": False}, 400, None, "background"),
     ({"input": "x", "max_output_tokens": 0}, 400, "max_output_tokens", ""),
