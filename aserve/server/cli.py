@@ -136,6 +136,9 @@ ENGINE_HELP = {
     "seed": "seed of the sampler's random generator",
     "device": "auto (ROCm, else CUDA, else XLA, else CPU) | cuda | rocm | xla | cpu",
     "served_model_name": "the model's name in the API (default: --model as given)",
+    "runner": "auto | generate (completions, chat) | pooling (/v1/embeddings, /v1/score, "
+              "/rerank: the model's final hidden states pooled, no LM head); auto pools for a "
+              "sentence-transformers directory or a bare *Model decoder (default: auto)",
 }
 
 
