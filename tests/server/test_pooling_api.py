@@ -15,6 +15,8 @@ import pytest
 import torch
 from helpers.pooling_models import hf_embeddings, make_embedding_model
 from helpers.server import assert_error, serving, tiny_app
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.spawns  # uvicorn servers on ports
 
@@ -130,3 +132,27 @@ def test_a_generating_model_refuses_the_pooling_routes(model_dir_factory):
                            ("/rerank", {"query": "a", "documents": ["b"]})):
             assert_error(httpx.post(f"{base}{path}", json=body), 400, None,
                          "--runner pooling")
+
+
+VALID = {"/v1/embeddings": {"model": "tiny", "input": ["Hi", "there"], "dimensions": 8,
+                            "encoding_format": "base64", "normalize": False},
+         "/v1/score": {"model": "tiny", "text_1": "Hi", "text_2": ["a", "b"]},
+         "/rerank": {"model": "tiny", "query": "Hi", "documents": ["a", {"text": "b"}],
+                     "top_n": 1, "return_documents": True}}
+SCALARS = (st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+           | st.floats(allow_nan=False, allow_infinity=False))
+JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_valid_body_with_one_field_replaced_is_never_a_5xx(url, data):
+    path = data.draw(st.sampled_from(sorted(VALID)))
+    body = dict(VALID[path])
+    body[data.draw(st.sampled_from(sorted(body)))] = data.draw(JSON)
+    response = httpx.post(f"{url}{path}", json=body, timeout=30)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert_error(response, response.status_code)
