@@ -90,6 +90,46 @@ def api_tour(url: str, model: str, key: str) -> None:
     assert client.responses.retrieve(formatted.id).output_text == formatted.output_text
 
 
+@pytest.mark.spawns
+def test_serves_embeddings_score_and_rerank_of_an_embedding_model(tmp_path):
+    """`python -m aserve MODEL` on a sentence-transformers directory (a bare Qwen3Model, last
+    token, normalised) picks the pooling runner itself; the SDK's embeddings equal HF's, and
+    score / rerank are the cosines of those embeddings."""
+    import torch
+    from helpers.pooling_models import hf_embeddings, make_embedding_model
+    from openai import OpenAI
+
+    model_dir = make_embedding_model(tmp_path / "embed", "qwen3", pooling="last")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "aserve", str(model_dir), "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", "128",
+                             "--served-model-name", "embed"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(proc, url)
+        prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+        out = OpenAI(base_url=f"{url}/v1", api_key="none").embeddings.create(
+            model="embed", input=prompts)
+        got = torch.tensor([d.embedding for d in out.data])
+        expected = hf_embeddings(model_dir, prompts, "last")
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        texts = ["a cat", "a dog", "the sea"]
+        score = httpx.post(f"{url}/v1/score", json={"model": "embed", "text_1": texts[0],
+                                                     "text_2": texts[1:]}).json()
+        rerank = httpx.post(f"{url}/v1/rerank", json={"model": "embed", "query": texts[0],
+                                                       "documents": texts[1:]}).json()
+        scores = [d["score"] for d in score["data"]]
+        assert sorted(scores, reverse=True) == [r["relevance_score"] for r in rerank["results"]]
+        assert all(-1 <= x <= 1 for x in scores)
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "embed", "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 400 and "--runner" in chat.json()["error"]["message"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.spawns
 def test_without_a_model_it_serves_the_built_in_demo_model():
