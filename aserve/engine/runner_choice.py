@@ -74,7 +74,7 @@ def choose_pooler(model: str, runner: str) -> PoolerConfig | None:
     (no LM head) asked to generate."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}.")
-    model_dir = Path(model)
+    model_dir = Path(model or "")
     if not model or not model_dir.is_dir():  # (a GGUF file's directory is made later: a causal LM)
         if runner == "pooling":
             return PoolerConfig()

@@ -101,6 +101,7 @@ class Holder(nn.Module):
 
     packed_modules = CausalLM.packed_modules
     checkpoint_prefixes = CausalLM.checkpoint_prefixes
+    bare_prefixes: dict[str, str] = {}
     checkpoint_renames = ((r"^mlp\.router\.", "mlp.gate."),)  # gpt-oss names its router so
 
     @staticmethod
