@@ -25,11 +25,13 @@ from aserve.server import ServerConfig
 from aserve.server.responses import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatResponseMessage,
     DeltaMessage,
     UsageInfo,
 )
-from aserve.server.responses_api import StreamEvents
+from aserve.server.responses_api import StreamEvents, reply_items, reply_messages
 from aserve.server.responses_store import ResponseStore, StoredResponse
+from aserve.server.tools import FunctionCall, ToolCall
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                             "days": {"type": "integer", "minimum": 1,
@@ -262,6 +264,18 @@ def test_a_recorded_chat_stream_becomes_events_the_sdk_validates_and_accumulates
     assert final["output"][0]["content"][0]["text"] == "Let me think."
     assert final["output"][2]["call_id"] == "call_1"
     assert final["usage"]["total_tokens"] == 12 and events[-1]["type"] == "response.completed"
+    # the same reply whole (a chat completion's message) gives the same items
+    message = ChatResponseMessage(content="Calling.", reasoning_content="Let me think.",
+                                  tool_calls=[ToolCall(id="call_1", function=FunctionCall(
+                                      name="f", arguments="{}"))])
+    whole = reply_items(message, [], "completed")
+
+    def shape(items):
+        return [{k: v for k, v in item.items() if k != "id"} for item in items]
+
+    assert shape(whole) == shape(final["output"])
+    assert reply_messages(whole) == [{"role": "assistant", "content": "Calling.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
 
 
 def test_the_store_keeps_within_its_count_and_bytes():
