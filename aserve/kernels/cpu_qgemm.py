@@ -1,8 +1,9 @@
 """Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight
 stays in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group),
 packed once at load into the bf16 GEMM's panels of 48 outputs, 4, 6 or 8 bits a value plus an
-fp16 scale and min per group and output; activations are quantized to int8 per row and group as
-each GEMM starts, and `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
+fp16 scale and min per group and output (the scale alone for a symmetric weight:
+`symmetric_zero`); activations are quantized to int8 per row and group as each GEMM starts, and
+`vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
 
 A decode step streams every weight once, so its time is bytes / bandwidth: int4 streams about
 a third of bf16's bytes (4 bits + 32 bits of scale and min a group of 32), int8 about half.
@@ -40,6 +41,29 @@ def storage_bits(bits: int) -> int:
     return 4 if bits <= 4 else 6 if bits <= 6 else 8
 
 
+def symmetric_zero(weight: IntWeight) -> int | None:
+    """z where every group's min is exactly -z * scale, z a power of two of at most half the
+    stored range (Q8_0: 128, Q4_0: 8, Q6_K: 32, Q5_0: 16, Q3_K: 4, GPTQ's symmetric 4 bits:
+    8), also after both are rounded to fp16: the packed weight then keeps its scales alone,
+    its values moved up to a zero of 2^(bits - 1). None: the mins are stored."""
+    scale, low = weight.scale, weight.min
+    nonzero = torch.nonzero(scale.reshape(-1))  # (a group of zeros has scale 0 and min 0)
+    if len(nonzero) == 0:
+        return None
+    first = int(nonzero[0])
+    zero = -float(low.reshape(-1)[first]) / float(scale.reshape(-1)[first])
+    if not (zero >= 1 and zero.is_integer() and int(zero) & (int(zero) - 1) == 0
+            and zero <= 2 ** (storage_bits(weight.bits) - 1)):
+        return None
+    if not (torch.equal(low, -zero * scale)
+            and torch.equal(low.half(), (-zero * scale.half().float()).half())):
+        return None
+    stored = 2 ** storage_bits(weight.bits)
+    if int(weight.q.max()) + stored // 2 - int(zero) >= stored:  # (moved up, it must fit)
+        return None
+    return int(zero)
+
+
 class QuantPackedWeight(PackedGemm):
     """An integer weight in the kernel's layout; `linear(x, bias)` applies it, as
     `cpu_gemm.PackedWeight` does a bf16 one (`gated`: [gate; up], for `silu_and_mul`)."""
@@ -48,8 +72,12 @@ class QuantPackedWeight(PackedGemm):
         self.out_features, self.in_features = weight.shape
         self.gated, self.group, self.bits = gated, weight.group, storage_bits(weight.bits)
         self.perm = weight.perm  # act-order: the inputs of the packed columns, gathered first
-        self.data = _module().qgemm_pack(weight.q.contiguous(), weight.scale.half(),
-                                         weight.min.half(), self.bits, gated)
+        zero = symmetric_zero(weight)
+        self.symmetric = zero is not None
+        q = weight.q if zero is None else weight.q + (2 ** (self.bits - 1) - zero)
+        self.data = _module().qgemm_pack(q.contiguous(), weight.scale.half(),
+                                         None if self.symmetric else weight.min.half(),
+                                         self.bits, gated)
 
     @staticmethod
     def supports(weight: IntWeight) -> bool:
@@ -64,8 +92,9 @@ class QuantPackedWeight(PackedGemm):
 
     @property
     def quantization(self) -> str:
-        """How it runs, as /v1/models says it: e.g. "int4 g32"."""
-        return f"int{self.bits} g{self.group}"
+        """How it runs, as /v1/models says it: e.g. "int4 g32" ("int8 g32 sym": scales
+        alone)."""
+        return f"int{self.bits} g{self.group}" + (" sym" if self.symmetric else "")
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of the weight (float32 [len(index), K], scale * q + min with the fp16 scale

@@ -71,6 +71,24 @@ def test_a_gated_weight_gives_gate_up_and_silu_and_mul(bits):
     assert ((got - expected).abs() <= expected.abs() * 2 ** -7 + 1e-6).all()
 
 
+@pytest.mark.parametrize("bits, zero, group", [(8, 128, 32), (4, 8, 32), (6, 32, 16),
+                                               (5, 16, 32), (3, 4, 16)])
+def test_a_symmetric_weight_keeps_its_scales_alone_and_is_its_twin(bits, zero, group):
+    """Q8_0 / Q4_0 / Q6_K / Q5_0 / Q3_K's form (min = -zero * scale in every group): packed
+    without mins (fewer bytes), its values moved up to the stored zero, the same results."""
+    w = int_weight(96, 128, group, bits, seed=3)
+    w = IntWeight(w.q, w.scale, -zero * w.scale, group, bits)
+    packed = QuantPackedWeight(w)
+    assert packed.symmetric and packed.quantization.endswith(" sym")
+    full = QuantPackedWeight(IntWeight(w.q, w.scale, w.min * (1 + 1e-3), group, bits))
+    assert not full.symmetric  # (a min that is not -zero * scale keeps its mins)
+    assert packed.nbytes == full.nbytes - 96 * 128 // group * 2
+    x = torch.randn(3, 128).bfloat16()
+    assert_bf16_of(packed.linear(x), reference(x, w))
+    rows = torch.tensor([0, 47, 95])
+    torch.testing.assert_close(packed.rows(rows), fp16_rounded(w).dequantize()[rows])
+
+
 @pytest.mark.parametrize("rows, cols, group, bits, m", CASES[:4])
 def test_the_packed_rows_read_back_as_the_weight(rows, cols, group, bits, m):
     w = int_weight(rows, cols, group, bits)

@@ -86,8 +86,8 @@ def test_v1_models_and_the_log_say_what_runs_quantized(model_dir_factory, tmp_pa
         logger.removeHandler(caplog.handler)
     # 2 layers x 4 packed linears, the LM head, and the embedding (untied: its own rows)
     assert card["quantization"] == ("GGUF (Q4_0 x16, F32 x5); integer GEMM: "
-                                    "int4 g32 x9 linear weights, the rest bfloat16")
-    assert "10 of 10 linear weights kept as integers (int4 g32 x10)" in caplog.text
+                                    "int4 g32 sym x9 linear weights, the rest bfloat16")
+    assert "10 of 10 linear weights kept as integers (int4 g32 sym x10)" in caplog.text
 
 
 @pytest.mark.parametrize("requested, match", [

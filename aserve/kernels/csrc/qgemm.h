@@ -25,10 +25,13 @@
 //   6 bits: 4 bits' layout of the low nibbles (24 G), then the top two bits of 16 inputs a
 //           byte run: high[k16, v, j, t] = sum_s (q[.., G g + 16 k16 + 4 s + t] >> 4) << 2 s
 //           (12 G; Q6_K, and the 5-bit types, in 6/8 of int8's bytes)
-//   then scale[48] and min[48] as fp16 (192 bytes)
+//   then scale[48] and min[48] as fp16 (192 bytes); or, symmetric (a weight whose min is
+//   -2^(bits-1) scale in every group: Q8_0, Q4_0, Q6_K, GPTQ without zero points), the scales
+//   alone (96 bytes), the min computed as -2^(bits-1) scale
 //
-// A packed weight is uint8 [panels, K / G, group bytes]: K / G and the group's bytes say G and
-// the bits, so the tensor describes itself. The micro-kernel keeps 4 rows x 48 outputs of int32
+// A packed weight is uint8 [panels, K / G, group bytes]: K / G and the group's bytes say G, the
+// bits and whether mins are stored (no two of the six sizes meet for G a multiple of 16), so the
+// tensor describes itself. The micro-kernel keeps 4 rows x 48 outputs of int32
 // sums for a group and of float sums across groups (24 registers), and stores through gemm.h's
 // store_tile, so bias, bf16 rounding and the gated SiLU epilogue are the bf16 GEMM's. With one
 // or two rows (decode), int4's high nibbles go into sums of their own as they lie (16 q), so
@@ -49,6 +52,7 @@
 #endif
 
 constexpr int64_t kQuantMeta = 2 * kPanel * 2;  // bytes of a group's 48 fp16 scales and mins
+constexpr int64_t kQuantScales = kPanel * 2;    // a symmetric group's: its 48 scales
 constexpr int64_t kQRows = 4;                   // rows of a micro-kernel tile
 
 bool qgemm_supported() {
@@ -61,10 +65,11 @@ bool qgemm_supported() {
 
 struct QuantLayout {
   int64_t group, bits, group_bytes, groups;
+  float zero;  // symmetric: the min is -zero * scale (2^(bits-1)); 0: mins are stored
 };
 
-static inline int64_t quant_group_bytes(int64_t G, int64_t bits) {
-  return kPanel * G * bits / 8 + kQuantMeta;
+static inline int64_t quant_group_bytes(int64_t G, int64_t bits, bool symmetric = false) {
+  return kPanel * G * bits / 8 + (symmetric ? kQuantScales : kQuantMeta);
 }
 
 // G and the bits of a packed weight [panels, K / G, group bytes] over K inputs.
@@ -75,16 +80,21 @@ static QuantLayout quant_layout(const torch::Tensor& packed, int64_t K) {
   TORCH_CHECK(groups > 0 && K % groups == 0, "qgemm: ", K, " inputs in ", groups, " groups");
   const int64_t G = K / groups;
   int64_t bits = 0;
+  bool symmetric = false;
   for (const int64_t b : {4, 6, 8})
-    if (gb == quant_group_bytes(G, b)) bits = b;
+    for (const bool sym : {false, true})
+      if (gb == quant_group_bytes(G, b, sym)) bits = b, symmetric = sym;
   TORCH_CHECK(bits != 0 && G % 16 == 0, "qgemm: group bytes ", gb, " fit no layout of G = ", G);
-  return {G, bits, gb, groups};
+  return {G, bits, gb, groups, symmetric ? static_cast<float>(int64_t{1} << (bits - 1)) : 0.f};
 }
 
 // q [N, K] uint8 (values < 2^bits), scale / min [N, K / G] fp16 -> uint8 [panels, K / G, group
-// bytes]. `gated`: q is [gate; up], packed as panel_lane pairs them.
-torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor mins, int64_t bits,
-                         bool gated) {
+// bytes]. `gated`: q is [gate; up], packed as panel_lane pairs them. No mins: symmetric, the
+// min of every group -2^(bits-1) scale (the caller has checked that it is).
+torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> mins_,
+                         int64_t bits, bool gated) {
+  const bool symmetric = !mins_.has_value();
+  torch::Tensor mins = symmetric ? scale : *mins_;
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "qgemm_pack: q is uint8 [N, K]");
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qgemm_pack: 4, 6 or 8 bits, not ", bits);
   const int64_t N = q.size(0), K = q.size(1);
@@ -99,7 +109,7 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor min
   TORCH_CHECK(N == 0 || q.max().item<int64_t>() < (int64_t{1} << bits),
               "qgemm_pack: a value does not fit ", bits, " bits");
   q = q.contiguous(), scale = scale.contiguous(), mins = mins.contiguous();
-  const int64_t G = K / groups, d = N / 2, gb = quant_group_bytes(G, bits);
+  const int64_t G = K / groups, d = N / 2, gb = quant_group_bytes(G, bits, symmetric);
   const int64_t panels = gated ? (d + kHalf - 1) / kHalf : (N + kPanel - 1) / kPanel;
   auto out = torch::zeros({panels, groups, gb}, q.options());
   const uint8_t* src = q.data_ptr<uint8_t>();
@@ -123,9 +133,9 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, torch::Tensor min
           if (bits == 6)
             high[((k / 16) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << (2 * ((k % 16) / 4));
         }
-        at::Half* meta = reinterpret_cast<at::Half*>(base + gb - kQuantMeta);
+        at::Half* meta = reinterpret_cast<at::Half*>(base + kPanel * G * bits / 8);
         meta[lane] = sc[n * groups + g];
-        meta[kPanel + lane] = mn[n * groups + g];
+        if (!symmetric) meta[kPanel + lane] = mn[n * groups + g];
       }
     }
   });
@@ -152,9 +162,9 @@ torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
       panel_lane(ids[i], gated, d, p, lane);
       for (int64_t g = 0; g < L.groups; ++g) {
         const uint8_t* base = src + (p * L.groups + g) * L.group_bytes;
-        const at::Half* meta = reinterpret_cast<const at::Half*>(base + L.group_bytes -
-                                                                 kQuantMeta);
-        const float s = meta[lane], m = meta[kPanel + lane];
+        const at::Half* meta = reinterpret_cast<const at::Half*>(base + kPanel * G * L.bits / 8);
+        const float s = meta[lane];
+        const float m = L.zero > 0.f ? -L.zero * s : static_cast<float>(meta[kPanel + lane]);
         const uint8_t* high = base + kPanel * G / 2;
         for (int64_t k = 0; k < G; ++k) {
           int q = L.bits == 8 ? base[((k / 4) * kPanel + lane) * 4 + k % 4]
@@ -206,8 +216,8 @@ static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G
 // `groups`) @ one packed panel, stored by epilogue E.
 template <int R, int Bits, int E, int FixedG>
 static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsum,
-                  int64_t groups, const uint8_t* panel, int64_t group, int64_t gb, void* c,
-                  int64_t ldc, int64_t cols, const TileEpilogue& ep) {
+                  int64_t groups, const uint8_t* panel, int64_t group, int64_t gb, float zero,
+                  void* c, int64_t ldc, int64_t cols, const TileEpilogue& ep) {
   const int64_t G = FixedG > 0 ? FixedG : group;  // fixed: the k-loops unroll whole
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
@@ -286,11 +296,12 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
         }
       }
     }
-    const __m256i* meta = reinterpret_cast<const __m256i*>(w + gb - kQuantMeta);
+    const __m256i* meta = reinterpret_cast<const __m256i*>(w + kPanel * G * Bits / 8);
     __m512 s[kVecs], m[kVecs];
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
       s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(meta + v));
-      m[v] = _mm512_cvtph_ps(_mm256_loadu_si256(meta + kVecs + v));
+      m[v] = zero > 0.f ? _mm512_mul_ps(s[v], _mm512_set1_ps(-zero))
+                        : _mm512_cvtph_ps(_mm256_loadu_si256(meta + kVecs + v));
     }
     ASERVE_UNROLL for (int r = 0; r < R; ++r) {
       const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
@@ -305,7 +316,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
 }
 
 using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t,
-                       const uint8_t*, int64_t, int64_t, void*, int64_t, int64_t,
+                       const uint8_t*, int64_t, int64_t, float, void*, int64_t, int64_t,
                        const TileEpilogue&);
 #define ASERVE_QTILES(B, E, G) \
   {nullptr, qtile<1, B, E, G>, qtile<2, B, E, G>, qtile<3, B, E, G>, qtile<4, B, E, G>}
@@ -359,7 +370,7 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
         for (int64_t m = m0; m < m0 + rows; m += kQRows)
           tiles[std::min(kQRows, m0 + rows - m)](
               a + m * K, K, scales + m * L.groups, sums + m * L.groups, L.groups,
-              w + p * panel_bytes, L.group, L.group_bytes,
+              w + p * panel_bytes, L.group, L.group_bytes, L.zero,
               c + (m * ldc + p * call.width) * item, ldc, cols, ep);
       });
   if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's

@@ -49,7 +49,7 @@ static void qmoe_gemm(const MoeRoute& r, const QuantRows& a, const uint8_t* w, i
     for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
       tiles[std::min(kQRows, t.m0 + t.rows - m)](
           a.q + m * a.K, a.K, a.scales + m * L.groups, a.sums + m * L.groups, L.groups,
-          w + (t.e * panels + t.p) * panel_bytes, L.group, L.group_bytes,
+          w + (t.e * panels + t.p) * panel_bytes, L.group, L.group_bytes, L.zero,
           out + m * ldc + t.p * width, ldc, cols, ep);
   });
 }
