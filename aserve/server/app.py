@@ -108,7 +108,13 @@ async def aserve_lifespan(app: Starlette) -> AsyncIterator[None]:
     """Start the engine for the app's lifetime (use it from a parent app's lifespan too)."""
     state: ServerState = app.state.aserve
     engine = AsyncEngine(state.engine_args)
-    await engine.start()
+    try:
+        await engine.start()
+    except BaseException:
+        # the engine thread ends on its own after a failed start; wait for it (and its
+        # worker's torch calls), or the interpreter may exit under it (a C++ abort at exit)
+        await engine.shutdown()
+        raise
     state.engine = engine
     state.metrics.bind_engine(engine)
     try:
