@@ -29,7 +29,7 @@ from aserve.server.responses import (
     DeltaMessage,
     UsageInfo,
 )
-from aserve.server.responses_api import StreamEvents, reply_items, reply_messages
+from aserve.server.responses_events import StreamEvents, reply_items, reply_messages
 from aserve.server.responses_store import ResponseStore, StoredResponse
 from aserve.server.tools import FunctionCall, ToolCall
 
