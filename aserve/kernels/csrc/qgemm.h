@@ -229,7 +229,32 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
     __m512i dot[R][kVecs];
     ASERVE_UNROLL for (int r = 0; r < R; ++r)
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) dot[r][v] = _mm512_setzero_si512();
-    if (Bits == 8) {
+    if (Bits == 6 && R > 2) {
+      // many rows: each quad of inputs made whole once (nibble | 16 h, as in the 8-bit
+      // layout) and then one dot a row, rather than two (the nibbles', the top bits')
+      const uint8_t* top = w + kPanel * G / 2;
+      const __m512i bits45 = _mm512_set1_epi8(0x30);
+      ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+          const __m512i n0 = _mm512_loadu_si512(w + (2 * k16 * kVecs + v) * 64);
+          const __m512i n1 = _mm512_loadu_si512(w + ((2 * k16 + 1) * kVecs + v) * 64);
+          const __m512i t = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
+          const __m512i q[4] = {
+              _mm512_or_si512(_mm512_and_si512(n0, low4),
+                              _mm512_and_si512(_mm512_slli_epi16(t, 4), bits45)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4),
+                              _mm512_and_si512(_mm512_slli_epi16(t, 2), bits45)),
+              _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(t, bits45)),
+              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low4),
+                              _mm512_and_si512(_mm512_srli_epi16(t, 2), bits45))};
+          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
+            ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
+              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q[sub], _mm512_set1_epi32(xr[sub]));
+          }
+        }
+      }
+    } else if (Bits == 8) {
       ASERVE_UNROLL for (int64_t kq = 0; kq < G / 4; ++kq) {
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512i b = _mm512_loadu_si512(w + (kq * kVecs + v) * 64);
@@ -261,7 +286,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
       ASERVE_UNROLL for (int r = 0; r < R; ++r)
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
           dot[r][v] = _mm512_add_epi32(dot[r][v], _mm512_srai_epi32(high[r][v], 4));
-    } else {  // (4 or 6 bits: the low nibbles)
+    } else {  // (4 bits)
       ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
@@ -275,7 +300,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
         }
       }
     }
-    if (Bits == 6) {
+    if (Bits == 6 && R <= 2) {
       // q = nibble + 16 h: each h moved to bits 4-5 of its byte (16 h, unsigned), so its
       // products add into the nibbles' sums as they are; one 16-bit shift and an AND a part
       const uint8_t* top = w + kPanel * G / 2;
