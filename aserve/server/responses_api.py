@@ -46,6 +46,10 @@ from aserve.server.serving import (
     server_state,
 )
 
+# No tokenizer's token is this long on natural text (~4 characters a token): a conversation's
+# tail longer than this many characters a token of the room is not rendered to find it too long
+MAX_CHARS_PER_TOKEN = 32
+
 
 async def create_response(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
@@ -87,12 +91,14 @@ async def create_response(request: Request) -> Response:
 async def _fitted_chat(request: Request, body: ResponsesRequest, history: list[dict],
                        messages: list[dict]) -> ChatCompletionRequest:
     """The chat request; with `truncation: auto`, the oldest turns of the conversation dropped
-    (whole, from a user message on) until the prompt leaves max_output_tokens (or one token)
-    in the context — found by bisection, so a long conversation is rendered a few times."""
+    (whole: the kept part starts at a user message) until the prompt leaves max_output_tokens
+    (or one token) in the context. Starts whose text is over MAX_CHARS_PER_TOKEN characters a
+    token of that room are passed over unrendered, and the first start that fits is found by
+    bisection among the rest, so a hostile conversation costs a few renders of at most a
+    context's worth of text."""
     conversation = history + messages
-    chat = body.to_chat([], conversation)
     if body.truncation != "auto":
-        return chat
+        return body.to_chat([], conversation)
     engine = running_engine(request)
     room = engine.model_info.max_model_len - (body.max_output_tokens or 1)
 
@@ -105,9 +111,11 @@ async def _fitted_chat(request: Request, body: ResponsesRequest, history: list[d
             return False
         return len(ids) <= room
 
-    starts = [k for k, m in enumerate(conversation) if m["role"] == "user"]
-    if not starts or await fits(0):
-        return chat
+    chars = [0] * (len(conversation) + 1)  # chars[k]: the text from message k on
+    for k in range(len(conversation) - 1, -1, -1):
+        chars[k] = chars[k + 1] + _num_chars(conversation[k])
+    starts = [k for k, m in enumerate(conversation) if k == 0 or m["role"] == "user"]
+    starts = [k for k in starts if chars[k] <= room * MAX_CHARS_PER_TOKEN] or starts[-1:]
     lo, hi = 0, len(starts) - 1  # the first start that fits is in starts[lo..hi], or none
     while lo < hi:
         mid = (lo + hi) // 2
@@ -116,6 +124,12 @@ async def _fitted_chat(request: Request, body: ResponsesRequest, history: list[d
         else:
             lo = mid + 1
     return body.to_chat([], conversation[starts[lo]:])  # (too long still: a 400 naming input)
+
+
+def _num_chars(message: dict[str, Any]) -> int:
+    calls = message.get("tool_calls") or ()
+    return len(message.get("content") or "") + sum(
+        len(c["function"]["name"]) + len(c["function"]["arguments"]) for c in calls)
 
 
 async def retrieve_response(request: Request) -> Response:

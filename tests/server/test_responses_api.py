@@ -190,6 +190,29 @@ def test_truncation_auto_drops_the_oldest_turns(url):
     validate_type(type_=Response, value=reply)  # every field the SDK's type requires
 
 
+def test_truncation_auto_renders_no_more_than_a_context_of_a_huge_conversation(url,
+                                                                                 monkeypatch):
+    """A hostile conversation (5 MB in 100 turns) with truncation auto: the turns too long to
+    fit are passed over unrendered, so what is rendered stays near one context's worth."""
+    from aserve.server import responses_api
+
+    rendered: list[int] = []
+    render = responses_api.render_chat
+
+    async def counting(request, engine, body):
+        text = await render(request, engine, body)
+        rendered.append(len(text))
+        return text
+
+    monkeypatch.setattr(responses_api, "render_chat", counting)
+    huge = [{"role": role, "content": "word " * 10_000} for role in ["user", "assistant"] * 50]
+    body = {"model": "tiny", "input": [*huge, {"role": "user", "content": "last"}],
+            "max_output_tokens": 4, "temperature": 0, "truncation": "auto"}
+    reply = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()
+    assert reply["status"] == "incomplete" and reply["usage"]["input_tokens"] <= 124
+    assert sum(rendered) < 10_000, rendered  # (without the bound: megabytes, several times)
+
+
 @pytest.mark.parametrize("body,status,param,contains", [
     ({"input": [{"type": "computer_call", "id": "x"}]}, 400, "input", "unknown input item"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input", "item_reference"),
