@@ -390,18 +390,10 @@ class Scheduler:
         """A pooling request whose prompt the runner has pooled: finished, its blocks freed,
         its vector its one output (none if it was aborted meanwhile). One preempted by the
         step scheduled while this one ran is taken off `waiting`: its vector is whole."""
-        request = self.requests.get(req_id)
-        if request is None or request.is_finished:
-            return []
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED_STOPPED
-        self._free(request)
         return [EngineCoreOutput(req_id, [], finish_reason=request.finish_reason,
                                  num_cached_tokens=max(request.num_cached_tokens, 0),
-                                 pooling_output=vector)]
+                                 pooling_output=vector)
+                for request in self.finish_requests([req_id], RequestStatus.FINISHED_STOPPED)]
 
     def _pass_tokens(self) -> float:
         """A draft model's pass, in tokens of the step-cost fit (its seconds / b)."""
