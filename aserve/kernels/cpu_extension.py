@@ -1,15 +1,14 @@
 """aserve's C++ CPU extension: one build holding every CPU kernel.
 
-The C++ lives in `aserve/kernels/csrc/`: a header per kernel family (`simd.h`, the AVX-512
-helpers they share; `sinks.h`, the attention sinks' argument; `activation.h`, the gated
-activations of `elementwise.h` and `gemm.h`; `paged_decode.h`, `attention_tiles.h`,
-`attention_rows.h`, `elementwise.h`, `gemm.h`, `qgemm.h`, `decoder_layer.h`, `moe.h`,
-`qmoe.h`) and ONE translation
-unit, `cpu_kernels.cpp`, that includes them and binds the functions Python calls: a single
-build parses torch's headers once, not once per translation unit. `load()` compiles
-it on first use (then loads the cached build) with `-march=native`, keyed by the sources, this
-CPU's instruction-set flags, torch's version and the compiler flags; without a C++ compiler or
-ninja, `load()` is None (one warning) and every caller keeps its torch path.
+The C++ lives in `aserve/kernels/csrc/`: a header per kernel family (`simd.h`, the AVX-512 helpers
+they share; `sinks.h`, the attention sinks' argument; `activation.h`, the gated activations of
+`elementwise.h` and `gemm.h`; `paged_decode.h`, `attention_tiles.h`, `attention_rows.h`,
+`elementwise.h`, `gemm.h`, `qlayout.h`, `qgemm.h`, `decoder_layer.h`, `moe.h`, `qmoe.h`) and ONE
+translation unit, `cpu_kernels.cpp`, that includes them and binds the functions Python calls: a
+single build parses torch's headers once, not once per translation unit. `load()` compiles it on
+first use (then loads the cached build) with `-march=native`, keyed by the sources, this CPU's
+instruction-set flags, torch's version and the compiler flags; without a C++ compiler or ninja,
+`load()` is None (one warning) and every caller keeps its torch path.
 """
 
 from __future__ import annotations

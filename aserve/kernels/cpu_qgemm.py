@@ -1,8 +1,9 @@
-"""Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight
-stays in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group),
-packed once at load into the bf16 GEMM's panels of 48 outputs, 4, 6 or 8 bits a value plus an
-fp16 scale and min per group and output (the scale alone for a symmetric weight:
-`symmetric_zero`); activations are quantized to int8 per row and group as each GEMM starts, and
+"""Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight stays
+in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group), packed once
+at load into the bf16 GEMM's panels of 48 outputs, 4, 6 or 8 bits a value plus an fp16 scale and min
+per group and output (the scale alone for a symmetric weight: `symmetric_zero`), or, for GGUF's
+K-quants, their own two levels (`two_levels`: int8 scales and mins a group under an fp16 pair a
+block of 256 inputs); activations are quantized to int8 per row and group as each GEMM starts, and
 `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
 
 A decode step streams every weight once, so its time is bytes / bandwidth: int4 streams about
@@ -22,7 +23,7 @@ import torch
 from aserve.kernels import cpu_extension
 from aserve.kernels.cpu_gemm import PackedGemm
 from aserve.kernels.moe import apply_activation, local_slots
-from aserve.quantization.int_weights import IntWeight, in_input_order
+from aserve.quantization.int_weights import BLOCK, IntWeight, in_input_order
 
 
 def _module():
@@ -64,6 +65,20 @@ def symmetric_zero(weight: IntWeight) -> int | None:
     return int(zero)
 
 
+def two_levels(weight: IntWeight, symmetric: bool) -> bool:
+    """Whether the packed weight keeps `weight.blocks`' two levels (int8 sub-scales and
+    sub-mins a group under an fp16 scale and min a block of 256 inputs) rather than an fp16
+    scale and min a group: groups of 16 or 32, whole blocks, block scales that fp16 holds
+    exactly, sub-mins unless symmetric."""
+    blocks = weight.blocks
+    if (blocks is None or weight.group not in (16, 32) or weight.shape[1] % BLOCK
+            or weight.perm is not None or (blocks.sub_min is None and not symmetric)):
+        return False
+    parts = [blocks.scale] if symmetric else [blocks.scale, blocks.min]
+    return all(bool(torch.isfinite(p).all()) and torch.equal(p.half().float(), p)
+               for p in parts)
+
+
 class QuantPackedWeight(PackedGemm):
     """An integer weight in the kernel's layout; `linear(x, bias)` applies it, as
     `cpu_gemm.PackedWeight` does a bf16 one (`gated`: [gate; up], for `silu_and_mul`)."""
@@ -75,9 +90,17 @@ class QuantPackedWeight(PackedGemm):
         zero = symmetric_zero(weight)
         self.symmetric = zero is not None
         q = weight.q if zero is None else weight.q + (2 ** (self.bits - 1) - zero)
-        self.data = _module().qgemm_pack(q.contiguous(), weight.scale.half(),
-                                         None if self.symmetric else weight.min.half(),
-                                         self.bits, gated)
+        self.two_levels = two_levels(weight, self.symmetric)
+        if self.two_levels:
+            blocks = weight.blocks
+            self.data = _module().qgemm_pack(
+                q.contiguous(), blocks.sub_scale,
+                None if self.symmetric else blocks.sub_min, self.bits, gated,
+                blocks.scale.half(), None if self.symmetric else blocks.min.half())
+        else:
+            self.data = _module().qgemm_pack(q.contiguous(), weight.scale.half(),
+                                             None if self.symmetric else weight.min.half(),
+                                             self.bits, gated, None, None)
 
     @staticmethod
     def supports(weight: IntWeight) -> bool:
@@ -93,8 +116,9 @@ class QuantPackedWeight(PackedGemm):
     @property
     def quantization(self) -> str:
         """How it runs, as /v1/models says it: e.g. "int4 g32" ("int8 g32 sym": scales
-        alone)."""
-        return f"int{self.bits} g{self.group}" + (" sym" if self.symmetric else "")
+        alone; "int4 g32/256": two levels, blocks of 256)."""
+        return (f"int{self.bits} g{self.group}" + ("/256" if self.two_levels else "")
+                + (" sym" if self.symmetric else ""))
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows of the weight (float32 [len(index), K], scale * q + min with the fp16 scale
@@ -126,10 +150,11 @@ def quantize_activations(x: torch.Tensor, group: int
     return xq.to(torch.int8).reshape(rows, cols), xs, xsum
 
 
-def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None
-              ) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None,
+              two_levels: bool = False) -> torch.Tensor:
     """The kernel's float32 result for x [M, K] (before its bf16 rounding; bias added), with
-    `weight`'s scale and min rounded to fp16 as the packed layout stores them."""
+    `weight`'s scale and min rounded to fp16 as the packed layout stores them, or (`two_levels`,
+    as packed from `weight.blocks`) exact: block scale * sub-scale."""
     rows, cols = x.shape
     group, groups = weight.group, cols // weight.group
     if weight.perm is not None:  # act-order: the inputs gathered in the columns' order
@@ -138,7 +163,9 @@ def reference(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = No
     q = weight.q.to(torch.int32).reshape(-1, groups, group)
     dots = torch.einsum("mgk,ngk->mgn", xq.to(torch.int32).reshape(rows, groups, group),
                         q).float()  # exact: |sum| < 2^31
-    scale, low = weight.scale.half().float(), weight.min.half().float()
+    scale, low = weight.scale, weight.min
+    if not two_levels:
+        scale, low = scale.half().float(), low.half().float()
     acc = torch.zeros(rows, q.shape[0])
     for g in range(groups):
         acc = acc + (dots[:, g] * xs[:, g:g + 1]) * scale[:, g] + low[:, g] * xsum[:, g:g + 1]

@@ -42,7 +42,7 @@ from enum import IntEnum
 
 import torch
 
-from aserve.quantization.int_weights import IntWeight
+from aserve.quantization.int_weights import IntWeight, SuperBlocks
 
 QK_K = 256  # values in a K-quant super-block
 
@@ -318,9 +318,12 @@ _DEQUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
 
 # --- The integer form (`int_weights.IntWeight`): value = scale * q + min per group -------------
 # Each returns, for n blocks, q (n, groups, G) uint8, scale and min (n, groups) float32, such that
-# scale * q + min is the value `dequantize` computes, exactly.
+# scale * q + min is the value `dequantize` computes, exactly; the K-quants also their two levels
+# (`Levels`: scale = d * sub-scale, min = dmin * sub-min, d and dmin (n, 1)).
 
-IntParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Levels = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+IntParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, Levels]
 
 
 def _offset(q: torch.Tensor, d: torch.Tensor, zero: int) -> IntParts:
@@ -354,21 +357,24 @@ def _int_q2_k(blocks: torch.Tensor) -> IntParts:
     n, scales = blocks.shape[0], blocks[:, :16]
     d, dmin = _f16(blocks, 80), _f16(blocks, 82)
     q = _bits(blocks[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16)
-    return q, d * (scales & 0x0F).float(), -(dmin * (scales >> 4).float())
+    sc, mn = (scales & 0x0F).to(torch.int8), (scales >> 4).to(torch.int8)
+    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin)
 
 
 def _int_q3_k(blocks: torch.Tensor) -> IntParts:
     n = blocks.shape[0]
-    dl = _f16(blocks, 108) * _q3_k_scales(blocks[:, 96:108]).float()
+    d, sc = _f16(blocks, 108), _q3_k_scales(blocks[:, 96:108])
+    dl = d * sc.float()
     low = _bits(blocks[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 8, 32)
     q = low | (_bits(blocks[:, :32], 1) << 2)  # value = dl * (q - 4)
-    return q.reshape(n, 16, 16), dl, dl * -4
+    return q.reshape(n, 16, 16), dl, dl * -4, (sc, None, d, None)
 
 
 def _int_k(blocks: torch.Tensor, q: torch.Tensor) -> IntParts:
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
-    return q, d * sc.float(), -(dmin * mn.float())
+    sc, mn = sc.to(torch.int8), mn.to(torch.int8)  # (6 bits each)
+    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin)
 
 
 def _int_q4_k(blocks: torch.Tensor) -> IntParts:
@@ -386,8 +392,9 @@ def _int_q6_k(blocks: torch.Tensor) -> IntParts:
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 2, 128)
     high = _bits(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 2, 128)
-    dl = _f16(blocks, 208) * blocks[:, 192:208].view(torch.int8).float()
-    return (low | (high << 4)).reshape(n, 16, 16), dl, dl * -32
+    d, sc = _f16(blocks, 208), blocks[:, 192:208].view(torch.int8)
+    dl = d * sc.float()
+    return (low | (high << 4)).reshape(n, 16, 16), dl, dl * -32, (sc, None, d, None)
 
 
 _INT: dict[GGMLType, tuple[int, Callable[[torch.Tensor], IntParts]]] = {  # (bits, parts)
@@ -415,11 +422,21 @@ def int_weight(raw: torch.Tensor, qtype: int | str, shape: Sequence[int],
         raise ValueError(f"{t.name} tensor {name!r} of shape {tuple(shape)} needs "
                          f"{nbytes(t, shape)} bytes, got {raw.numel()}")
     bits, parts = _INT[t]
-    q, scale, low = parts(raw.reshape(-1, BLOCK_SIZES[t][1]))
+    q, scale, low, *levels = parts(raw.reshape(-1, BLOCK_SIZES[t][1]))
     rows, cols = shape
     group = q.shape[-1]
+    blocks = None
+    if levels:  # (a K-quant's block is 256 inputs: QK_K)
+        sub_scale, sub_min, d, dmin = levels[0]
+
+        def per_block(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
+            return None if x is None else x.reshape(rows, width)
+        blocks = SuperBlocks(per_block(sub_scale, cols // group),
+                             per_block(sub_min, cols // group), per_block(d, cols // QK_K),
+                             per_block(dmin, cols // QK_K))
     return IntWeight(q.reshape(rows, cols), scale.reshape(rows, cols // group),
-                     low.expand_as(scale).reshape(rows, cols // group), group, bits)
+                     low.expand_as(scale).reshape(rows, cols // group), group, bits,
+                     blocks=blocks)
 
 
 def nbytes(qtype: int | str, shape: Sequence[int]) -> int:

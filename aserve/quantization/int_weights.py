@@ -4,6 +4,9 @@
 
 with, for GPTQ's act-order, the columns in a permuted order (`perm`: column k of q is input
 perm[k], so that each group is a run of consecutive columns; a kernel reads x[:, perm]).
+GGUF's K-quants also say how their scales were stored (`SuperBlocks`: an fp16 scale and min a
+block of 256 inputs times small integers a group), which a kernel may keep instead of a float
+scale a group.
 
 Every GGUF quant type (`gguf_quants.int_weight`), AWQ and GPTQ without act-order
 (`min = -scale * zero`) and compressed-tensors' int checkpoints are exactly this. The loader keeps,
@@ -22,6 +25,43 @@ import torch
 SHARDS = "quantized_shards"  # the attribute `attach` sets on a parameter
 
 
+BLOCK = 256  # inputs of a super-block
+
+
+@dataclass(frozen=True)
+class SuperBlocks:
+    """The two levels of GGUF's K-quants: scale = block scale * sub-scale and min = block min *
+    sub-min per group, both products exact in float32 (the block's are fp16 values)."""
+
+    sub_scale: torch.Tensor  # int8 [rows, cols // group]
+    sub_min: torch.Tensor | None  # int8 [rows, cols // group]; None: the mins are -z * scale
+    scale: torch.Tensor  # float32 [rows, cols // BLOCK]
+    min: torch.Tensor | None  # float32 [rows, cols // BLOCK]
+
+    def rows(self, index: torch.Tensor) -> SuperBlocks:
+        return SuperBlocks(self.sub_scale[index],
+                           None if self.sub_min is None else self.sub_min[index],
+                           self.scale[index], None if self.min is None else self.min[index])
+
+    def regroup(self, times: int) -> SuperBlocks:
+        """The same blocks over groups `times` finer."""
+        def repeat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat_interleave(times, dim=1)
+        return SuperBlocks(repeat(self.sub_scale), repeat(self.sub_min), self.scale, self.min)
+
+    @staticmethod
+    def concat(parts: Sequence[SuperBlocks | None]) -> SuperBlocks | None:
+        """Parts stacked by rows (one group size), or None where any has none or they mix
+        symmetric and stored mins."""
+        if any(p is None for p in parts) or len({p.sub_min is None for p in parts}) != 1:
+            return None
+        sym = parts[0].sub_min is None
+        return SuperBlocks(torch.cat([p.sub_scale for p in parts]),
+                           None if sym else torch.cat([p.sub_min for p in parts]),
+                           torch.cat([p.scale for p in parts]),
+                           None if sym else torch.cat([p.min for p in parts]))
+
+
 @dataclass(frozen=True)
 class IntWeight:
     q: torch.Tensor  # uint8 [rows, cols]
@@ -30,6 +70,7 @@ class IntWeight:
     group: int
     bits: int  # of a value: 2..8
     perm: torch.Tensor | None = None  # int64 [cols]: the input of each column (None: k)
+    blocks: SuperBlocks | None = None  # GGUF's K-quants: how scale and min were stored
 
     @property
     def shape(self) -> torch.Size:
@@ -49,12 +90,14 @@ class IntWeight:
         assert self.group % group == 0, (self.group, group)
         times = self.group // group
         return IntWeight(self.q, self.scale.repeat_interleave(times, dim=1),
-                         self.min.repeat_interleave(times, dim=1), group, self.bits, self.perm)
+                         self.min.repeat_interleave(times, dim=1), group, self.bits, self.perm,
+                         None if self.blocks is None else self.blocks.regroup(times))
 
     def rows(self, index: torch.Tensor) -> IntWeight:
         """The weight with its rows reordered (`index`: the new order)."""
         return IntWeight(self.q[index], self.scale[index], self.min[index], self.group,
-                         self.bits, self.perm)
+                         self.bits, self.perm,
+                         None if self.blocks is None else self.blocks.rows(index))
 
     @staticmethod
     def concat(parts: Sequence[IntWeight]) -> IntWeight:
@@ -76,7 +119,7 @@ class IntWeight:
         parts = [p.regroup(group) for p in parts]
         return IntWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
                          torch.cat([p.min for p in parts]), group, max(p.bits for p in parts),
-                         perm)
+                         perm, SuperBlocks.concat([p.blocks for p in parts]))
 
 
 def in_input_order(columns: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:

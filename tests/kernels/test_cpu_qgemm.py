@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from aserve.kernels import cpu_qgemm
 from aserve.kernels.cpu_qgemm import QuantPackedWeight, quantize_activations, reference
-from aserve.quantization.int_weights import IntWeight
+from aserve.quantization.int_weights import IntWeight, SuperBlocks
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(),
                                 reason="the CPU or build lacks AVX512-VNNI / BF16")
@@ -87,6 +87,79 @@ def test_a_symmetric_weight_keeps_its_scales_alone_and_is_its_twin(bits, zero, g
     assert_bf16_of(packed.linear(x), reference(x, w))
     rows = torch.tensor([0, 47, 95])
     torch.testing.assert_close(packed.rows(rows), fp16_rounded(w).dequantize()[rows])
+
+
+def blocked_weight(rows: int, cols: int, group: int, bits: int, zero: int | None,
+                   seed: int = 0) -> IntWeight:
+    """A K-quant's form: an fp16 scale (and min) a block of 256 inputs times int8 sub-scales
+    (6-bit sub-mins) a group; zero: symmetric (signed sub-scales, min = -zero * scale)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 2 ** bits, (rows, cols), generator=g, dtype=torch.uint8)
+    d = (torch.rand(rows, cols // 256, generator=g) * 1e-3 + 1e-4).half().float()
+    low, high = (-128, 128) if zero else (0, 64)
+    sub_scale = torch.randint(low, high, (rows, cols // group), generator=g, dtype=torch.int8)
+    scale = d.repeat_interleave(256 // group, dim=1) * sub_scale.float()
+    if zero:
+        return IntWeight(q, scale, -zero * scale, group, bits,
+                         blocks=SuperBlocks(sub_scale, None, d, None))
+    dmin = -(torch.rand(rows, cols // 256, generator=g) * 1e-2).half().float()
+    sub_min = torch.randint(0, 64, (rows, cols // group), generator=g, dtype=torch.int8)
+    return IntWeight(q, scale, dmin.repeat_interleave(256 // group, dim=1) * sub_min.float(),
+                     group, bits, blocks=SuperBlocks(sub_scale, sub_min, d, dmin))
+
+
+@pytest.mark.parametrize("bits, group, zero", [(4, 32, None), (6, 16, 32), (5, 32, None),
+                                               (2, 16, None), (3, 16, 4), (8, 32, 128)])
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_two_levels_keep_the_k_quants_own_scales_and_are_their_twin(bits, group, zero, m):
+    """Q4_K / Q6_K / Q5_K / Q2_K / Q3_K's two levels packed as they are (int8 a group under an
+    fp16 pair a block): fewer bytes than an fp16 pair a group, scales exact (no fp16
+    rounding of their products), the twin's results across the tiles of 1-4 rows."""
+    w = blocked_weight(100, 512, group, bits, zero)
+    packed = QuantPackedWeight(w)
+    assert packed.two_levels and packed.symmetric == (zero is not None)
+    assert packed.quantization.startswith(f"int{packed.bits} g{group}/256")
+    one = QuantPackedWeight(IntWeight(w.q, w.scale, w.min, group, bits))  # no blocks said
+    assert not one.two_levels and one.symmetric == packed.symmetric
+    tables = 1 if zero else 2
+    panels, groups = 3, 512 // group
+    assert one.nbytes - packed.nbytes == panels * 48 * tables * (2 * groups - groups - 2 * 2)
+    # the scales exact (no fp16 rounding of the products; float32's alone, where an fma fuses)
+    torch.testing.assert_close(packed.rows(torch.arange(100)), w.dequantize())
+    assert not torch.equal(one.rows(torch.arange(100)), w.dequantize())
+    x = torch.randn(m, 512).bfloat16()
+    bias = torch.randn(100).bfloat16()
+    assert_bf16_of(packed.linear(x, bias), reference(x, w, bias, two_levels=True))
+    assert_bf16_of(packed.linear_float(x), reference(x, w, two_levels=True))
+
+
+@pytest.mark.parametrize("bits, zero", [(4, None), (6, 32)])
+def test_two_levels_take_the_gated_epilogues_and_many_rows(bits, zero):
+    w = blocked_weight(2 * 70, 768, 32 if zero is None else 16, bits, zero, seed=5)
+    packed = QuantPackedWeight(w, gated=True)
+    assert packed.two_levels
+    x = torch.randn(70, 768).bfloat16()  # (past a 64-row block)
+    split = packed.linear(x)
+    assert_bf16_of(split, reference(x, w, two_levels=True))
+    gate, up = split.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).bfloat16().float()
+    got = packed.silu_and_mul(x).float()
+    assert ((got - expected).abs() <= expected.abs() * 2 ** -7 + 1e-6).all()
+    index = torch.tensor([0, 69, 70, 139])
+    torch.testing.assert_close(packed.rows(index), w.dequantize()[index])
+
+
+def test_blocks_the_layout_cannot_keep_fall_back_to_one_level():
+    w = blocked_weight(48, 512, 32, 4, None)
+    odd = SuperBlocks(w.blocks.sub_scale, w.blocks.sub_min, w.blocks.scale * (1 + 2 ** -20),
+                      w.blocks.min)  # (a block scale fp16 does not hold)
+    assert not QuantPackedWeight(IntWeight(w.q, w.scale, w.min, 32, 4, blocks=odd)).two_levels
+    permuted = IntWeight(w.q, w.scale, w.min, 32, 4, perm=torch.randperm(512), blocks=w.blocks)
+    assert not QuantPackedWeight(permuted).two_levels  # (act-order: not a K-quant's)
+    narrow = blocked_weight(48, 512, 32, 4, None)
+    cut = IntWeight(narrow.q[:, :480], narrow.scale[:, :15], narrow.min[:, :15], 32, 4,
+                    blocks=narrow.blocks)  # (inputs not whole blocks)
+    assert not QuantPackedWeight(cut).two_levels
 
 
 @pytest.mark.parametrize("rows, cols, group, bits, m", CASES[:4])

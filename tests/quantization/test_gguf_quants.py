@@ -240,6 +240,33 @@ def test_the_integer_form_is_the_dequantized_weight(qtype):
     torch.testing.assert_close(weight.dequantize(), expected, rtol=2 ** -23, atol=0)
 
 
+K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quants_say_their_two_levels(qtype):
+    """A K-quant's integer form carries its blocks' fp16 scale (and min) and its groups' small
+    integer sub-scales (and sub-mins), whose products are the form's scale and min exactly:
+    what the kernel packs instead of an fp16 pair a group."""
+    shape = (3, 512)
+    raw = random_raw(qtype, shape, np.random.default_rng(200 + int(qtype)))
+    weight = int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, shape)
+    blocks = weight.blocks
+    assert blocks is not None and blocks.scale.shape == (3, 2)
+    assert blocks.sub_scale.dtype == torch.int8 and blocks.sub_scale.shape == weight.scale.shape
+    per_group = 256 // weight.group
+    assert torch.equal(torch.repeat_interleave(blocks.scale, per_group, dim=1)
+                       * blocks.sub_scale.float(), weight.scale)
+    assert torch.equal(blocks.scale.half().float(), blocks.scale)  # fp16 values
+    symmetric = qtype in (GGMLType.Q3_K, GGMLType.Q6_K)  # (min = -4 or -32 times the scale)
+    assert (blocks.sub_min is None) == symmetric == (blocks.min is None)
+    if not symmetric:
+        assert torch.equal(torch.repeat_interleave(blocks.min, per_group, dim=1)
+                           * blocks.sub_min.float(), weight.min)
+    rows = weight.rows(torch.tensor([2, 0]))
+    assert torch.equal(rows.blocks.sub_scale, blocks.sub_scale[[2, 0]])
+
+
 def test_float_types_have_no_integer_form():
     for qtype in (GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_K):
         assert not has_int_form(qtype)
@@ -258,6 +285,11 @@ def test_parts_of_mixed_types_stack_in_the_finest_group_and_most_bits():
         parts.append(int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (rows, 512)))
     both = IntWeight.concat(parts)
     assert (both.group, both.bits, tuple(both.shape)) == (16, 6, (5, 512))
+    assert both.blocks is None  # (Q4_K's mins beside Q6_K's symmetric groups: one level)
+    twice = IntWeight.concat([parts[0], parts[0]])  # (one type: its two levels stack)
+    assert torch.equal(twice.blocks.sub_min, torch.cat([parts[0].blocks.sub_min] * 2))
+    finer = IntWeight.concat([parts[0], parts[1].rows(torch.tensor([0]))]).regroup(16)
+    assert finer.blocks is None and parts[0].regroup(16).blocks.sub_scale.shape == (3, 32)
     torch.testing.assert_close(both.dequantize(),
                                torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="columns"):

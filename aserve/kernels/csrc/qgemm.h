@@ -16,22 +16,8 @@
 // 4 signed activation bytes and adds them into one int32 lane, 64 products an instruction (twice
 // `vdpbf16ps`'s), and an int4 weight costs one AND (and a shift) per 128 values to unpack.
 //
-// Packing, once at load, into the bf16 GEMM's panels of 48 outputs (gemm.h's panel_lane, so a
-// gated [gate; up] pairs its halves the same way and shares its epilogues); each (panel, group)
-// is one run of bytes read front to back:
-//
-//   8 bits: data[kq, v, j, t]  = q[48 p + 16 v + j, G g + 4 kq + t]                  (48 G bytes)
-//   4 bits: data[k8, v, j, t]  = q[.., G g + 8 k8 + t] | q[.., G g + 8 k8 + 4 + t] << 4 (24 G)
-//   6 bits: 4 bits' layout of the low nibbles (24 G), then the top two bits of 16 inputs a
-//           byte run: high[k16, v, j, t] = sum_s (q[.., G g + 16 k16 + 4 s + t] >> 4) << 2 s
-//           (12 G; Q6_K, and the 5-bit types, in 6/8 of int8's bytes)
-//   then scale[48] and min[48] as fp16 (192 bytes); or, symmetric (a weight whose min is
-//   -2^(bits-1) scale in every group: Q8_0, Q4_0, Q6_K, GPTQ without zero points), the scales
-//   alone (96 bytes), the min computed as -2^(bits-1) scale
-//
-// A packed weight is uint8 [panels, K / G, group bytes]: K / G and the group's bytes say G, the
-// bits and whether mins are stored (no two of the six sizes meet for G a multiple of 16), so the
-// tensor describes itself. The micro-kernel keeps 4 rows x 48 outputs of int32
+// The packed layout (panels of 48 outputs; one level of scales a group, or GGUF's K-quants' two
+// levels) is qlayout.h's. The micro-kernel keeps 4 rows x 48 outputs of int32
 // sums for a group and of float sums across groups (24 registers), and stores through gemm.h's
 // store_tile, so bias, bf16 rounding and the gated SiLU epilogue are the bf16 GEMM's. With one
 // or two rows (decode), int4's high nibbles go into sums of their own as they lie (16 q), so
@@ -46,14 +32,13 @@
 #include <vector>
 
 #include "gemm.h"
+#include "qlayout.h"
 
 #if defined(ASERVE_GEMM) && defined(__AVX512VNNI__)
 #define ASERVE_QGEMM 1
 #endif
 
-constexpr int64_t kQuantMeta = 2 * kPanel * 2;  // bytes of a group's 48 fp16 scales and mins
-constexpr int64_t kQuantScales = kPanel * 2;    // a symmetric group's: its 48 scales
-constexpr int64_t kQRows = 4;                   // rows of a micro-kernel tile
+constexpr int64_t kQRows = 4;  // rows of a micro-kernel tile
 
 bool qgemm_supported() {
 #ifdef ASERVE_QGEMM
@@ -61,124 +46,6 @@ bool qgemm_supported() {
 #else
   return false;
 #endif
-}
-
-struct QuantLayout {
-  int64_t group, bits, group_bytes, groups;
-  float zero;  // symmetric: the min is -zero * scale (2^(bits-1)); 0: mins are stored
-};
-
-static inline int64_t quant_group_bytes(int64_t G, int64_t bits, bool symmetric = false) {
-  return kPanel * G * bits / 8 + (symmetric ? kQuantScales : kQuantMeta);
-}
-
-// G and the bits of a packed weight [panels, K / G, group bytes] over K inputs.
-static QuantLayout quant_layout(const torch::Tensor& packed, int64_t K) {
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
-              "qgemm: a packed weight is a contiguous uint8 [panels, groups, group bytes]");
-  const int64_t groups = packed.size(1), gb = packed.size(2);
-  TORCH_CHECK(groups > 0 && K % groups == 0, "qgemm: ", K, " inputs in ", groups, " groups");
-  const int64_t G = K / groups;
-  int64_t bits = 0;
-  bool symmetric = false;
-  for (const int64_t b : {4, 6, 8})
-    for (const bool sym : {false, true})
-      if (gb == quant_group_bytes(G, b, sym)) bits = b, symmetric = sym;
-  TORCH_CHECK(bits != 0 && G % 16 == 0, "qgemm: group bytes ", gb, " fit no layout of G = ", G);
-  return {G, bits, gb, groups, symmetric ? static_cast<float>(int64_t{1} << (bits - 1)) : 0.f};
-}
-
-// q [N, K] uint8 (values < 2^bits), scale / min [N, K / G] fp16 -> uint8 [panels, K / G, group
-// bytes]. `gated`: q is [gate; up], packed as panel_lane pairs them. No mins: symmetric, the
-// min of every group -2^(bits-1) scale (the caller has checked that it is).
-torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> mins_,
-                         int64_t bits, bool gated) {
-  const bool symmetric = !mins_.has_value();
-  torch::Tensor mins = symmetric ? scale : *mins_;
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "qgemm_pack: q is uint8 [N, K]");
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qgemm_pack: 4, 6 or 8 bits, not ", bits);
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == N && scale.size(1) > 0 &&
-                  scale.sizes() == mins.sizes() && scale.scalar_type() == at::kHalf &&
-                  mins.scalar_type() == at::kHalf,
-              "qgemm_pack: fp16 scale and min of [N, K / G]");
-  const int64_t groups = scale.size(1);
-  TORCH_CHECK(K % groups == 0 && (K / groups) % 16 == 0,
-              "qgemm_pack: the group size must divide K and be a multiple of 16");
-  TORCH_CHECK(!gated || N % 2 == 0, "qgemm_pack: a gated weight has 2 d rows");
-  TORCH_CHECK(N == 0 || q.max().item<int64_t>() < (int64_t{1} << bits),
-              "qgemm_pack: a value does not fit ", bits, " bits");
-  q = q.contiguous(), scale = scale.contiguous(), mins = mins.contiguous();
-  const int64_t G = K / groups, d = N / 2, gb = quant_group_bytes(G, bits, symmetric);
-  const int64_t panels = gated ? (d + kHalf - 1) / kHalf : (N + kPanel - 1) / kPanel;
-  auto out = torch::zeros({panels, groups, gb}, q.options());
-  const uint8_t* src = q.data_ptr<uint8_t>();
-  const at::Half* sc = scale.data_ptr<at::Half>();
-  const at::Half* mn = mins.data_ptr<at::Half>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      int64_t p, lane;  // lane = 16 v + j: each byte below is this row's alone
-      panel_lane(n, gated, d, p, lane);
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* base = dst + (p * groups + g) * gb;
-        const uint8_t* row = src + n * K + g * G;
-        uint8_t* high = base + kPanel * G / 2;  // 6 bits: the top two bits' run
-        for (int64_t k = 0; k < G; ++k) {
-          if (bits == 8) {
-            base[((k / 4) * kPanel + lane) * 4 + k % 4] = row[k];
-            continue;
-          }
-          base[((k / 8) * kPanel + lane) * 4 + k % 4] |= (row[k] & 0x0F) << (4 * ((k % 8) / 4));
-          if (bits == 6)
-            high[((k / 16) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << (2 * ((k % 16) / 4));
-        }
-        at::Half* meta = reinterpret_cast<at::Half*>(base + kPanel * G * bits / 8);
-        meta[lane] = sc[n * groups + g];
-        if (!symmetric) meta[kPanel + lane] = mn[n * groups + g];
-      }
-    }
-  });
-  return out;
-}
-
-// W's rows `rows` as float32 [len(rows), K] (scale * q + min), read back from the packed layout
-// (tests; a quantized embedding's lookup). N: W's rows; gated: as packed.
-torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
-                         torch::Tensor rows) {
-  const QuantLayout L = quant_layout(packed, K);
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "qgemm_rows: int64 rows");
-  rows = rows.contiguous();
-  const int64_t R = rows.size(0), G = L.group, d = N / 2;
-  const int64_t* ids = rows.data_ptr<int64_t>();
-  for (int64_t i = 0; i < R; ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < N, "qgemm_rows: row ", ids[i], " of ", N);
-  auto out = torch::empty({R, K}, packed.options().dtype(at::kFloat));
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      int64_t p, lane;
-      panel_lane(ids[i], gated, d, p, lane);
-      for (int64_t g = 0; g < L.groups; ++g) {
-        const uint8_t* base = src + (p * L.groups + g) * L.group_bytes;
-        const at::Half* meta = reinterpret_cast<const at::Half*>(base + kPanel * G * L.bits / 8);
-        const float s = meta[lane];
-        const float m = L.zero > 0.f ? -L.zero * s : static_cast<float>(meta[kPanel + lane]);
-        const uint8_t* high = base + kPanel * G / 2;
-        for (int64_t k = 0; k < G; ++k) {
-          int q = L.bits == 8 ? base[((k / 4) * kPanel + lane) * 4 + k % 4]
-                              : (base[((k / 8) * kPanel + lane) * 4 + k % 4] >>
-                                 (4 * ((k % 8) / 4))) & 0x0F;
-          if (L.bits == 6)
-            q |= ((high[((k / 16) * kPanel + lane) * 4 + k % 4] >> (2 * ((k % 16) / 4))) & 3)
-                 << 4;
-          dst[i * K + g * G + k] = s * static_cast<float>(q) + m;
-        }
-      }
-    }
-  });
-  return out;
 }
 
 #ifdef ASERVE_QGEMM
@@ -212,154 +79,197 @@ static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G
   });
 }
 
+// The int32 sums dot[r][v] of one group: rows [0, R) of x (stride K, the group's G int8
+// activations) by its 48 outputs' values at w (the group's bytes in the layout of Bits).
+// FixedG: G known, so that the k-loops unroll whole (0: G as given).
+template <int R, int Bits, int FixedG>
+static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, const int8_t* x,
+                                                             int64_t K, int64_t group,
+                                                             __m512i (&dot)[R][kVecs]) {
+  const int64_t G = FixedG > 0 ? FixedG : group;
+  ASERVE_UNROLL for (int r = 0; r < R; ++r)
+    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) dot[r][v] = _mm512_setzero_si512();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  if (Bits == 6 && R > 2) {
+    // many rows: each quad of inputs made whole once (nibble | 16 h, as in the 8-bit
+    // layout) and then one dot a row, rather than two (the nibbles', the top bits')
+    const uint8_t* top = w + kPanel * G / 2;
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i n0 = _mm512_loadu_si512(w + (2 * k16 * kVecs + v) * 64);
+        const __m512i n1 = _mm512_loadu_si512(w + ((2 * k16 + 1) * kVecs + v) * 64);
+        const __m512i t = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
+        const __m512i q[4] = {
+            _mm512_or_si512(_mm512_and_si512(n0, low4),
+                            _mm512_and_si512(_mm512_slli_epi16(t, 4), bits45)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4),
+                            _mm512_and_si512(_mm512_slli_epi16(t, 2), bits45)),
+            _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(t, bits45)),
+            _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low4),
+                            _mm512_and_si512(_mm512_srli_epi16(t, 2), bits45))};
+        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
+          ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q[sub], _mm512_set1_epi32(xr[sub]));
+        }
+      }
+    }
+  } else if (Bits == 8) {
+    ASERVE_UNROLL for (int64_t kq = 0; kq < G / 4; ++kq) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i b = _mm512_loadu_si512(w + (kq * kVecs + v) * 64);
+        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+          const __m512i a =
+              _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 4 * kq));
+          dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], b, a);
+        }
+      }
+    }
+  } else if (R <= 2) {  // (4 or 6 bits: the low nibbles)
+    // few rows: the high nibbles as they lie (16 q), into sums of their own, so no shift a
+    // vector and two independent chains; 16 * sum is exact in int32 and shifted back once
+    __m512i high[R][kVecs];
+    ASERVE_UNROLL for (int r = 0; r < R; ++r)
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) high[r][v] = _mm512_setzero_si512();
+    const __m512i high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
+    ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
+        const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(raw, high4);
+        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
+          dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
+          high[r][v] = _mm512_dpbusd_epi32(high[r][v], hi, _mm512_set1_epi32(xr[1]));
+        }
+      }
+    }
+    ASERVE_UNROLL for (int r = 0; r < R; ++r)
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
+        dot[r][v] = _mm512_add_epi32(dot[r][v], _mm512_srai_epi32(high[r][v], 4));
+  } else {  // (4 bits)
+    ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
+        const __m512i lo = _mm512_and_si512(raw, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
+          dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
+          dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], hi, _mm512_set1_epi32(xr[1]));
+        }
+      }
+    }
+  }
+  if (Bits == 6 && R <= 2) {
+    // q = nibble + 16 h: each h moved to bits 4-5 of its byte (16 h, unsigned), so its
+    // products add into the nibbles' sums as they are; one 16-bit shift and an AND a part
+    const uint8_t* top = w + kPanel * G / 2;
+    const __m512i bits45 = _mm512_set1_epi8(0x30);
+    ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i raw = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
+        const __m512i part[4] = {
+            _mm512_and_si512(_mm512_slli_epi16(raw, 4), bits45),
+            _mm512_and_si512(_mm512_slli_epi16(raw, 2), bits45),
+            _mm512_and_si512(raw, bits45),
+            _mm512_and_si512(_mm512_srli_epi16(raw, 2), bits45)};
+        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
+          ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part[sub], _mm512_set1_epi32(xr[sub]));
+        }
+      }
+    }
+  }
+}
+
+// 48 int8 sub-scales (or sub-mins) at p times a block's float scales: a group's, two levels.
+static inline __m512 sub_times(const int8_t* p, int v, __m512 block) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * v));
+  return _mm512_mul_ps(block, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
+}
+
 // c[0:R, 0:cols] = rows [0, R) of x (quantized: xq with stride K, xs / xsum with stride
-// `groups`) @ one packed panel, stored by epilogue E.
-template <int R, int Bits, int E, int FixedG>
+// `L.groups`) @ one packed panel, stored by epilogue E. FixedG: the group size, so the k-loops
+// unroll whole (0: any, L.group); Two: the layout's two levels (FixedG 16 or 32).
+template <int R, int Bits, int E, int FixedG, bool Two>
 static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsum,
-                  int64_t groups, const uint8_t* panel, int64_t group, int64_t gb, float zero,
-                  void* c, int64_t ldc, int64_t cols, const TileEpilogue& ep) {
-  const int64_t G = FixedG > 0 ? FixedG : group;  // fixed: the k-loops unroll whole
+                  const uint8_t* panel, const QuantLayout& L, void* c, int64_t ldc,
+                  int64_t cols, const TileEpilogue& ep) {
+  const int64_t G = FixedG > 0 ? FixedG : L.group, sub = Two ? kSuperBlock / FixedG : 1;
+  const int64_t groups = L.groups, vb = kPanel * G * Bits / 8;
+  const bool sym = L.zero > 0.f;
+  const __m512 neg_zero = _mm512_set1_ps(-L.zero);
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* w = panel + g * gb;
-    const int8_t* x = xq + g * G;
-    __m512i dot[R][kVecs];
-    ASERVE_UNROLL for (int r = 0; r < R; ++r)
-      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) dot[r][v] = _mm512_setzero_si512();
-    if (Bits == 6 && R > 2) {
-      // many rows: each quad of inputs made whole once (nibble | 16 h, as in the 8-bit
-      // layout) and then one dot a row, rather than two (the nibbles', the top bits')
-      const uint8_t* top = w + kPanel * G / 2;
-      const __m512i bits45 = _mm512_set1_epi8(0x30);
-      ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512i n0 = _mm512_loadu_si512(w + (2 * k16 * kVecs + v) * 64);
-          const __m512i n1 = _mm512_loadu_si512(w + ((2 * k16 + 1) * kVecs + v) * 64);
-          const __m512i t = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
-          const __m512i q[4] = {
-              _mm512_or_si512(_mm512_and_si512(n0, low4),
-                              _mm512_and_si512(_mm512_slli_epi16(t, 4), bits45)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n0, 4), low4),
-                              _mm512_and_si512(_mm512_slli_epi16(t, 2), bits45)),
-              _mm512_or_si512(_mm512_and_si512(n1, low4), _mm512_and_si512(t, bits45)),
-              _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n1, 4), low4),
-                              _mm512_and_si512(_mm512_srli_epi16(t, 2), bits45))};
-          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
-            ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
-              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q[sub], _mm512_set1_epi32(xr[sub]));
-          }
-        }
-      }
-    } else if (Bits == 8) {
-      ASERVE_UNROLL for (int64_t kq = 0; kq < G / 4; ++kq) {
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512i b = _mm512_loadu_si512(w + (kq * kVecs + v) * 64);
-          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const __m512i a =
-                _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + 4 * kq));
-            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], b, a);
-          }
-        }
-      }
-    } else if (R <= 2) {  // (4 or 6 bits: the low nibbles)
-      // few rows: the high nibbles as they lie (16 q), into sums of their own, so no shift a
-      // vector and two independent chains; 16 * sum is exact in int32 and shifted back once
-      __m512i high[R][kVecs];
-      ASERVE_UNROLL for (int r = 0; r < R; ++r)
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) high[r][v] = _mm512_setzero_si512();
-      const __m512i high4 = _mm512_set1_epi8(static_cast<char>(0xF0));
-      ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
-          const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(raw, high4);
-          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
-            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
-            high[r][v] = _mm512_dpbusd_epi32(high[r][v], hi, _mm512_set1_epi32(xr[1]));
-          }
-        }
-      }
-      ASERVE_UNROLL for (int r = 0; r < R; ++r)
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v)
-          dot[r][v] = _mm512_add_epi32(dot[r][v], _mm512_srai_epi32(high[r][v], 4));
-    } else {  // (4 bits)
-      ASERVE_UNROLL for (int64_t k8 = 0; k8 < G / 8; ++k8) {
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512i raw = _mm512_loadu_si512(w + (k8 * kVecs + v) * 64);
-          const __m512i lo = _mm512_and_si512(raw, low4);
-          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
-            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
-            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], hi, _mm512_set1_epi32(xr[1]));
-          }
-        }
-      }
-    }
-    if (Bits == 6 && R <= 2) {
-      // q = nibble + 16 h: each h moved to bits 4-5 of its byte (16 h, unsigned), so its
-      // products add into the nibbles' sums as they are; one 16-bit shift and an AND a part
-      const uint8_t* top = w + kPanel * G / 2;
-      const __m512i bits45 = _mm512_set1_epi8(0x30);
-      ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512i raw = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
-          const __m512i part[4] = {
-              _mm512_and_si512(_mm512_slli_epi16(raw, 4), bits45),
-              _mm512_and_si512(_mm512_slli_epi16(raw, 2), bits45),
-              _mm512_and_si512(raw, bits45),
-              _mm512_and_si512(_mm512_srli_epi16(raw, 2), bits45)};
-          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
-            ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
-              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part[sub], _mm512_set1_epi32(xr[sub]));
-          }
-        }
-      }
-    }
-    const __m256i* meta = reinterpret_cast<const __m256i*>(w + kPanel * G * Bits / 8);
-    __m512 s[kVecs], m[kVecs];
-    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-      s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(meta + v));
-      m[v] = zero > 0.f ? _mm512_mul_ps(s[v], _mm512_set1_ps(-zero))
-                        : _mm512_cvtph_ps(_mm256_loadu_si256(meta + kVecs + v));
-    }
-    ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-      const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
-      const __m512 b = _mm512_set1_ps(xsum[r * groups + g]);
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* block = panel + b * L.block_bytes;
+    const uint8_t* meta = block + sub * vb;  // one level: the group's scales; two: sub-scales
+    const int8_t* subs = reinterpret_cast<const int8_t*>(meta);
+    __m512 bs[kVecs], bm[kVecs];  // two levels: the block's scales and mins
+    if (Two) {
+      const __m256i* h = reinterpret_cast<const __m256i*>(meta + sub * kPanel * (sym ? 1 : 2));
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), a);
-        acc[r][v] = _mm512_fmadd_ps(m[v], b, _mm512_fmadd_ps(t, s[v], acc[r][v]));
+        bs[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
+        bm[v] = sym ? bs[v] : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+      }
+    }
+    for (int64_t j = 0; j < sub; ++j) {
+      const int64_t g = b * sub + j;
+      __m512i dot[R][kVecs];
+      group_dots<R, Bits, FixedG>(block + j * vb, xq + g * G, K, G, dot);
+      __m512 s[kVecs], m[kVecs];
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        if (Two) {
+          s[v] = sub_times(subs + j * kPanel, v, bs[v]);
+          m[v] = sym ? _mm512_mul_ps(s[v], neg_zero)
+                     : sub_times(subs + (sub + j) * kPanel, v, bm[v]);
+        } else {
+          const __m256i* h = reinterpret_cast<const __m256i*>(meta);
+          s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
+          m[v] = sym ? _mm512_mul_ps(s[v], neg_zero)
+                     : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+        }
+      }
+      ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
+        const __m512 bsum = _mm512_set1_ps(xsum[r * groups + g]);
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), a);
+          acc[r][v] = _mm512_fmadd_ps(m[v], bsum, _mm512_fmadd_ps(t, s[v], acc[r][v]));
+        }
       }
     }
   }
   store_tile<R, E>(acc, c, ldc, cols, ep);
 }
 
-using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, int64_t,
-                       const uint8_t*, int64_t, int64_t, float, void*, int64_t, int64_t,
-                       const TileEpilogue&);
-#define ASERVE_QTILES(B, E, G) \
-  {nullptr, qtile<1, B, E, G>, qtile<2, B, E, G>, qtile<3, B, E, G>, qtile<4, B, E, G>}
-#define ASERVE_QTILES_G(B, G)                                                     \
-  {ASERVE_QTILES(B, kPlain, G), ASERVE_QTILES(B, kGatedSplit, G),                 \
-   ASERVE_QTILES(B, kGatedSilu, G), ASERVE_QTILES(B, kPlainFloat, G)}
-// [group: any, 16, 32][bits: 4, 6, 8][epilogue: gemm.h's first four][rows]: the groups of
-// GGUF's types have their loops unrolled; GPTQ / AWQ's larger ones run the general tiles
-static const QTile kQTiles[3][3][4][kQRows + 1] = {
-    {ASERVE_QTILES_G(4, 0), ASERVE_QTILES_G(6, 0), ASERVE_QTILES_G(8, 0)},
-    {ASERVE_QTILES_G(4, 16), ASERVE_QTILES_G(6, 16), ASERVE_QTILES_G(8, 16)},
-    {ASERVE_QTILES_G(4, 32), ASERVE_QTILES_G(6, 32), ASERVE_QTILES_G(8, 32)}};
+using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, const uint8_t*,
+                       const QuantLayout&, void*, int64_t, int64_t, const TileEpilogue&);
+#define ASERVE_QTILES(B, E, G, T)                                                  \
+  {nullptr, qtile<1, B, E, G, T>, qtile<2, B, E, G, T>, qtile<3, B, E, G, T>,      \
+   qtile<4, B, E, G, T>}
+#define ASERVE_QTILES_G(B, G, T)                                                   \
+  {ASERVE_QTILES(B, kPlain, G, T), ASERVE_QTILES(B, kGatedSplit, G, T),            \
+   ASERVE_QTILES(B, kGatedSilu, G, T), ASERVE_QTILES(B, kPlainFloat, G, T)}
+#define ASERVE_QTILES_B(G, T) \
+  {ASERVE_QTILES_G(4, G, T), ASERVE_QTILES_G(6, G, T), ASERVE_QTILES_G(8, G, T)}
+// [layout: one level of any group, of 16, of 32; two levels of 16, of 32][bits: 4, 6, 8]
+// [epilogue: gemm.h's first four][rows]: the groups of GGUF's types have their loops unrolled;
+// GPTQ / AWQ's larger ones run the general tiles
+static const QTile kQTiles[5][3][4][kQRows + 1] = {
+    ASERVE_QTILES_B(0, false), ASERVE_QTILES_B(16, false), ASERVE_QTILES_B(32, false),
+    ASERVE_QTILES_B(16, true), ASERVE_QTILES_B(32, true)};
+#undef ASERVE_QTILES_B
 #undef ASERVE_QTILES_G
 #undef ASERVE_QTILES
 
 // The tiles (by rows, 1..kQRows) of a layout and an epilogue.
 static inline const QTile* qtiles(const QuantLayout& L, int epilogue) {
-  return kQTiles[L.group == 16 ? 1 : L.group == 32 ? 2 : 0][(L.bits - 4) / 2][epilogue];
+  const int fixed = L.group == 16 ? 1 : L.group == 32 ? 2 : 0;
+  return kQTiles[L.sub > 1 ? 2 + fixed : fixed][(L.bits - 4) / 2][epilogue];
 }
 
 #endif
@@ -388,15 +298,14 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   char* c = static_cast<char*>(call.y.data_ptr());
   const int64_t item = call.y.element_size();
   const QTile* tiles = qtiles(L, epilogue);
-  const int64_t panel_bytes = L.groups * L.group_bytes;
+  const int64_t panel_bytes = L.blocks * L.block_bytes;
   for_each_panel_task(
       call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
       [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
         for (int64_t m = m0; m < m0 + rows; m += kQRows)
           tiles[std::min(kQRows, m0 + rows - m)](
-              a + m * K, K, scales + m * L.groups, sums + m * L.groups, L.groups,
-              w + p * panel_bytes, L.group, L.group_bytes, L.zero,
-              c + (m * ldc + p * call.width) * item, ldc, cols, ep);
+              a + m * K, K, scales + m * L.groups, sums + m * L.groups, w + p * panel_bytes,
+              L, c + (m * ldc + p * call.width) * item, ldc, cols, ep);
       });
   if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's
 #endif

@@ -35,28 +35,28 @@ struct QuantRows {
 };
 
 // out [rows, ldc] bf16 = each expert's rows of `a` @ its packed weight (w: [E, panels, L's
-// groups x group bytes]), over moe.h's (expert, panel, row block) tasks; `width` outputs a
+// blocks x block bytes]), over moe.h's (expert, panel, row block) tasks; `width` outputs a
 // panel (kHalf gated, kPanel plain), `ldc` outputs in all; epilogue kGatedSilu or kPlain.
 static void qmoe_gemm(const MoeRoute& r, const QuantRows& a, const uint8_t* w, int64_t panels,
                       const QuantLayout& L, int epilogue, int64_t width, at::BFloat16* out,
                       int64_t ldc) {
   const QTile* tiles = qtiles(L, epilogue);
-  const int64_t panel_bytes = L.groups * L.group_bytes;
+  const int64_t panel_bytes = L.blocks * L.block_bytes;
   for_each_task(moe_tasks(r, panels), [&](const MoeTask& t) {
     TileEpilogue ep;
     ep.d = epilogue == kGatedSilu ? ldc : 0;
     const int64_t cols = std::min(width, ldc - t.p * width);
     for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
       tiles[std::min(kQRows, t.m0 + t.rows - m)](
-          a.q + m * a.K, a.K, a.scales + m * L.groups, a.sums + m * L.groups, L.groups,
-          w + (t.e * panels + t.p) * panel_bytes, L.group, L.group_bytes, L.zero,
-          out + m * ldc + t.p * width, ldc, cols, ep);
+          a.q + m * a.K, a.K, a.scales + m * L.groups, a.sums + m * L.groups,
+          w + (t.e * panels + t.p) * panel_bytes, L, out + m * ldc + t.p * width, ldc, cols,
+          ep);
   });
 }
 #endif
 
-// x [T, H] bf16; w13 uint8 [E, panels, H / G13, group bytes] (qgemm_pack gated, per expert),
-// w2 uint8 [E, panels, I / G2, group bytes] (plain); topk_weights [T, k] float32, topk_ids
+// x [T, H] bf16; w13 uint8 [E, panels, blocks, block bytes] (qgemm_pack gated, per expert),
+// w2 uint8 [E, panels, blocks, block bytes] (plain); topk_weights [T, k] float32, topk_ids
 // [T, k] int64 global ids, expert_map [num_global] int32 or absent -> [T, H] bf16.
 torch::Tensor qfused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
                          torch::Tensor topk_weights, torch::Tensor topk_ids,
@@ -67,7 +67,7 @@ torch::Tensor qfused_moe(torch::Tensor x, torch::Tensor w13, torch::Tensor w2,
   TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(0) > 0 && w2.size(0) == w13.size(0) &&
                   w13.scalar_type() == at::kByte && w2.scalar_type() == at::kByte &&
                   w13.is_contiguous() && w2.is_contiguous(),
-              "qfused_moe: stacked packed weights, uint8 [E, panels, groups, group bytes]");
+              "qfused_moe: stacked packed weights, uint8 [E, panels, blocks, block bytes]");
   const int64_t E = w13.size(0), panels13 = w13.size(1), panels2 = w2.size(1);
   TORCH_CHECK(I > 0 && panels13 * kHalf >= I && (panels13 - 1) * kHalf < I &&
                   panels2 * kPanel >= H && (panels2 - 1) * kPanel < H,
