@@ -319,9 +319,10 @@ _DEQUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
 # --- The integer form (`int_weights.IntWeight`): value = scale * q + min per group -------------
 # Each returns, for n blocks, q (n, groups, G) uint8, scale and min (n, groups) float32, such that
 # scale * q + min is the value `dequantize` computes, exactly; the K-quants also their two levels
-# (`Levels`: scale = d * sub-scale, min = dmin * sub-min, d and dmin (n, 1)).
+# (`Levels`: scale = d * sub-scale, min = dmin * sub-min, d and dmin (n, 1); or, no sub-mins,
+# min = -zero * scale).
 
-Levels = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]
+Levels = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None, int]
 IntParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[
     torch.Tensor, torch.Tensor, torch.Tensor, Levels]
 
@@ -358,7 +359,7 @@ def _int_q2_k(blocks: torch.Tensor) -> IntParts:
     d, dmin = _f16(blocks, 80), _f16(blocks, 82)
     q = _bits(blocks[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16)
     sc, mn = (scales & 0x0F).to(torch.int8), (scales >> 4).to(torch.int8)
-    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin)
+    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin, 0)
 
 
 def _int_q3_k(blocks: torch.Tensor) -> IntParts:
@@ -367,14 +368,14 @@ def _int_q3_k(blocks: torch.Tensor) -> IntParts:
     dl = d * sc.float()
     low = _bits(blocks[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 8, 32)
     q = low | (_bits(blocks[:, :32], 1) << 2)  # value = dl * (q - 4)
-    return q.reshape(n, 16, 16), dl, dl * -4, (sc, None, d, None)
+    return q.reshape(n, 16, 16), dl, dl * -4, (sc, None, d, None, 4)
 
 
 def _int_k(blocks: torch.Tensor, q: torch.Tensor) -> IntParts:
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     sc, mn = sc.to(torch.int8), mn.to(torch.int8)  # (6 bits each)
-    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin)
+    return q, d * sc.float(), -(dmin * mn.float()), (sc, mn, d, -dmin, 0)
 
 
 def _int_q4_k(blocks: torch.Tensor) -> IntParts:
@@ -394,7 +395,7 @@ def _int_q6_k(blocks: torch.Tensor) -> IntParts:
     high = _bits(blocks[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 2, 128)
     d, sc = _f16(blocks, 208), blocks[:, 192:208].view(torch.int8)
     dl = d * sc.float()
-    return (low | (high << 4)).reshape(n, 16, 16), dl, dl * -32, (sc, None, d, None)
+    return (low | (high << 4)).reshape(n, 16, 16), dl, dl * -32, (sc, None, d, None, 32)
 
 
 _INT: dict[GGMLType, tuple[int, Callable[[torch.Tensor], IntParts]]] = {  # (bits, parts)
@@ -427,13 +428,13 @@ def int_weight(raw: torch.Tensor, qtype: int | str, shape: Sequence[int],
     group = q.shape[-1]
     blocks = None
     if levels:  # (a K-quant's block is 256 inputs: QK_K)
-        sub_scale, sub_min, d, dmin = levels[0]
+        sub_scale, sub_min, d, dmin, zero = levels[0]
 
         def per_block(x: torch.Tensor | None, width: int) -> torch.Tensor | None:
             return None if x is None else x.reshape(rows, width)
         blocks = SuperBlocks(per_block(sub_scale, cols // group),
                              per_block(sub_min, cols // group), per_block(d, cols // QK_K),
-                             per_block(dmin, cols // QK_K))
+                             per_block(dmin, cols // QK_K), zero)
     return IntWeight(q.reshape(rows, cols), scale.reshape(rows, cols // group),
                      low.expand_as(scale).reshape(rows, cols // group), group, bits,
                      blocks=blocks)

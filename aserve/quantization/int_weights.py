@@ -37,29 +37,47 @@ class SuperBlocks:
     sub_min: torch.Tensor | None  # int8 [rows, cols // group]; None: the mins are -z * scale
     scale: torch.Tensor  # float32 [rows, cols // BLOCK]
     min: torch.Tensor | None  # float32 [rows, cols // BLOCK]
+    zero: int = 0  # symmetric (no sub-mins): min = -zero * scale
 
     def rows(self, index: torch.Tensor) -> SuperBlocks:
         return SuperBlocks(self.sub_scale[index],
                            None if self.sub_min is None else self.sub_min[index],
-                           self.scale[index], None if self.min is None else self.min[index])
+                           self.scale[index], None if self.min is None else self.min[index],
+                           self.zero)
+
+    def with_mins(self) -> SuperBlocks | None:
+        """The same blocks with their mins stored (-zero * scale = (-zero * block scale) *
+        sub-scale); None for symmetric blocks that do not say their zero."""
+        if self.sub_min is not None:
+            return self
+        if self.zero <= 0:
+            return None
+        return SuperBlocks(self.sub_scale, self.sub_scale, self.scale, -self.zero * self.scale)
 
     def regroup(self, times: int) -> SuperBlocks:
         """The same blocks over groups `times` finer."""
         def repeat(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.repeat_interleave(times, dim=1)
-        return SuperBlocks(repeat(self.sub_scale), repeat(self.sub_min), self.scale, self.min)
+        return SuperBlocks(repeat(self.sub_scale), repeat(self.sub_min), self.scale, self.min,
+                           self.zero)
 
     @staticmethod
     def concat(parts: Sequence[SuperBlocks | None]) -> SuperBlocks | None:
-        """Parts stacked by rows (one group size), or None where any has none or they mix
-        symmetric and stored mins."""
-        if any(p is None for p in parts) or len({p.sub_min is None for p in parts}) != 1:
+        """Parts stacked by rows (one group size), or None where any has none. Symmetric parts
+        beside parts with mins (Q4_K_M's Q6_K v beside its Q4_K q and k) store mins too."""
+        if any(p is None for p in parts):
             return None
+        zeros = {p.zero if p.sub_min is None else -1 for p in parts}
+        if len(zeros) > 1:
+            parts = [p.with_mins() for p in parts]
+            if any(p is None for p in parts):
+                return None
         sym = parts[0].sub_min is None
         return SuperBlocks(torch.cat([p.sub_scale for p in parts]),
                            None if sym else torch.cat([p.sub_min for p in parts]),
                            torch.cat([p.scale for p in parts]),
-                           None if sym else torch.cat([p.min for p in parts]))
+                           None if sym else torch.cat([p.min for p in parts]),
+                           parts[0].zero if sym else 0)
 
 
 @dataclass(frozen=True)

@@ -285,11 +285,14 @@ def test_parts_of_mixed_types_stack_in_the_finest_group_and_most_bits():
         parts.append(int_weight(torch.from_numpy(raw.reshape(-1).copy()), qtype, (rows, 512)))
     both = IntWeight.concat(parts)
     assert (both.group, both.bits, tuple(both.shape)) == (16, 6, (5, 512))
-    assert both.blocks is None  # (Q4_K's mins beside Q6_K's symmetric groups: one level)
+    # Q6_K's symmetric groups beside Q4_K's mins: its mins stored too, -32 d times its scales
+    assert torch.equal(both.blocks.sub_min[3:], both.blocks.sub_scale[3:])
+    assert torch.equal(both.regroup(16).min, both.min)
+    rebuilt = torch.repeat_interleave(both.blocks.min, 16, dim=1) * both.blocks.sub_min.float()
+    assert torch.equal(rebuilt, both.min)
     twice = IntWeight.concat([parts[0], parts[0]])  # (one type: its two levels stack)
     assert torch.equal(twice.blocks.sub_min, torch.cat([parts[0].blocks.sub_min] * 2))
-    finer = IntWeight.concat([parts[0], parts[1].rows(torch.tensor([0]))]).regroup(16)
-    assert finer.blocks is None and parts[0].regroup(16).blocks.sub_scale.shape == (3, 32)
+    assert parts[0].regroup(16).blocks.sub_scale.shape == (3, 32)
     torch.testing.assert_close(both.dequantize(),
                                torch.cat([p.dequantize() for p in parts]), rtol=0, atol=0)
     with pytest.raises(ValueError, match="columns"):

@@ -204,30 +204,39 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t tables = sym ? 1 : 2, head = Two ? quant_head_bytes(sym, sub) : 0;
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* block = panel + b * L.block_bytes;
-    const uint8_t* meta = block + sub * vb;  // one level: the group's scales; two: sub-scales
-    const int8_t* subs = reinterpret_cast<const int8_t*>(meta);
-    __m512 bs[kVecs], bm[kVecs];  // two levels: the block's scales and mins
+    // two levels: the block's scales and mins, then its groups' int8 sub-scales and sub-mins,
+    // made the groups' float scales and mins here, all at once: read in the middle of the
+    // block's values instead, they break its front-to-back stream, and from memory the tile
+    // ran at half its speed
+    constexpr int64_t kSubs = Two ? kSuperBlock / FixedG : 1;
+    __m512 gs[kSubs][kVecs], gm[kSubs][kVecs];
     if (Two) {
-      const __m256i* h = reinterpret_cast<const __m256i*>(meta + sub * kPanel * (sym ? 1 : 2));
+      const __m256i* h = reinterpret_cast<const __m256i*>(block);
+      const int8_t* subs = reinterpret_cast<const int8_t*>(block + kQuantScales * tables);
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        bs[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
-        bm[v] = sym ? bs[v] : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+        const __m512 bs = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
+        const __m512 bm = sym ? bs : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+        ASERVE_UNROLL for (int64_t j = 0; j < kSubs; ++j) {
+          gs[j][v] = sub_times(subs + j * kPanel, v, bs);
+          gm[j][v] = sym ? _mm512_mul_ps(gs[j][v], neg_zero)
+                         : sub_times(subs + (kSubs + j) * kPanel, v, bm);
+        }
       }
     }
     for (int64_t j = 0; j < sub; ++j) {
       const int64_t g = b * sub + j;
+      const uint8_t* w = block + head + j * vb;
       __m512i dot[R][kVecs];
-      group_dots<R, Bits, FixedG>(block + j * vb, xq + g * G, K, G, dot);
+      group_dots<R, Bits, FixedG>(w, xq + g * G, K, G, dot);
       __m512 s[kVecs], m[kVecs];
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
         if (Two) {
-          s[v] = sub_times(subs + j * kPanel, v, bs[v]);
-          m[v] = sym ? _mm512_mul_ps(s[v], neg_zero)
-                     : sub_times(subs + (sub + j) * kPanel, v, bm[v]);
-        } else {
-          const __m256i* h = reinterpret_cast<const __m256i*>(meta);
+          s[v] = gs[j][v], m[v] = gm[j][v];
+        } else {  // one level: the group's fp16 scales and mins after its values
+          const __m256i* h = reinterpret_cast<const __m256i*>(w + vb);
           s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
           m[v] = sym ? _mm512_mul_ps(s[v], neg_zero)
                      : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));

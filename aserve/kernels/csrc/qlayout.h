@@ -13,10 +13,11 @@
 //
 //   one level (a block is one group): 48 fp16 scales, 48 fp16 mins          (192 bytes a group)
 //   two levels (a block is a super-block of 256 inputs, 256 / G groups, as GGUF's K-quants
-//     store them): per group 48 int8 sub-scales, then per group 48 int8 sub-mins, then the
-//     block's 48 fp16 scales and 48 fp16 mins; scale = block scale * sub-scale, min = block
-//     min * sub-min (exact in float32: 11 by 8 bits). Q4_K: 4.625 bits a weight against one
-//     level's 5 (its own 4.5 packs the 6-bit sub-scales tighter); Q6_K 6.56 against 7.
+//     store them), ahead of the values, so that a block is read front to back: the block's 48
+//     fp16 scales and 48 fp16 mins, then per group 48 int8 sub-scales, then per group 48 int8
+//     sub-mins (padded to whole cache lines); scale = block scale * sub-scale, min = block min * sub-min (exact in float32:
+//     11 by 8 bits). Q4_K: 4.625 bits a weight against one level's 5 (its own 4.5 packs the
+//     6-bit sub-scales tighter); Q6_K 6.56 against 7.
 //
 // Symmetric weights (every min -2^(bits-1) scale: Q8_0, Q4_0, Q6_K, GPTQ without zero points)
 // leave out every min (of both levels); the kernel makes it from the scale.
@@ -45,10 +46,17 @@ struct QuantLayout {
 };
 
 // A block's bytes: `sub` groups of G inputs (1: one level).
+// Two levels' tables ahead of a block's values, padded to whole cache lines (Q6_K's 864 bytes
+// to 896), so that the values' 64-byte loads each read one line.
+static inline int64_t quant_head_bytes(bool symmetric, int64_t sub) {
+  const int64_t bytes = sub > 1 ? (symmetric ? 1 : 2) * (kQuantScales + sub * kPanel) : 0;
+  return (bytes + 63) / 64 * 64;
+}
+
 static inline int64_t quant_block_bytes(int64_t G, int64_t bits, bool symmetric, int64_t sub) {
   const int64_t tables = symmetric ? 1 : 2;  // scales (and mins)
-  return sub * kPanel * G * bits / 8 + (sub > 1 ? sub * kPanel * tables : 0) +
-         kQuantScales * tables;
+  return sub > 1 ? quant_head_bytes(symmetric, sub) + sub * kPanel * G * bits / 8
+                 : kPanel * G * bits / 8 + kQuantScales * tables;
 }
 
 // The layout of a packed weight [panels, blocks, block bytes] over K inputs.
@@ -124,14 +132,14 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
   auto out = torch::zeros({panels, blocks, bb}, q.options());
   const uint8_t* src = q.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const int64_t tables = symmetric ? 1 : 2;
+  const int64_t tables = symmetric ? 1 : 2, head = quant_head_bytes(symmetric, sub);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       int64_t p, lane;  // lane = 16 v + j: each byte below is this row's alone
       panel_lane(n, gated, d, p, lane);
       for (int64_t g = 0; g < groups; ++g) {
         uint8_t* block = dst + (p * blocks + g / sub) * bb;
-        uint8_t* base = block + (g % sub) * vb;
+        uint8_t* base = block + head + (g % sub) * vb;
         const uint8_t* row = src + n * K + g * G;
         uint8_t* high = base + kPanel * G / 2;  // 6 bits: the top two bits' run
         for (int64_t k = 0; k < G; ++k) {
@@ -144,15 +152,14 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
             high[((k / 16) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << (2 * ((k % 16) / 4));
         }
         if (two) {  // the sub-scales (and sub-mins) of group g % sub
-          int8_t* subs = reinterpret_cast<int8_t*>(block + sub * vb);
+          int8_t* subs = reinterpret_cast<int8_t*>(block + kQuantScales * tables);
           subs[(g % sub) * kPanel + lane] = scale.data_ptr<int8_t>()[n * groups + g];
           if (!symmetric)
             subs[(sub + g % sub) * kPanel + lane] = mins.data_ptr<int8_t>()[n * groups + g];
           if (g % sub != 0) continue;
         }
         // the block's fp16 scales and mins: one level, the group's; two, the block's
-        at::Half* meta = reinterpret_cast<at::Half*>(block + sub * vb +
-                                                     (two ? sub * kPanel * tables : 0));
+        at::Half* meta = reinterpret_cast<at::Half*>(two ? block : base + vb);
         const int64_t i = two ? n * blocks + g / sub : n * groups + g;
         meta[lane] = bscale.data_ptr<at::Half>()[i];
         if (!symmetric) meta[kPanel + lane] = bmins.data_ptr<at::Half>()[i];
@@ -167,15 +174,14 @@ static inline void group_scale(const QuantLayout& L, const uint8_t* block, int64
                                int64_t lane, float& s, float& m) {
   const bool sym = L.zero > 0.f;
   const int64_t tables = sym ? 1 : 2;
-  const uint8_t* meta = block + L.sub * L.value_bytes;
   if (L.sub == 1) {
-    const at::Half* h = reinterpret_cast<const at::Half*>(meta);
+    const at::Half* h = reinterpret_cast<const at::Half*>(block + L.value_bytes);
     s = h[lane];
     m = sym ? -L.zero * s : static_cast<float>(h[kPanel + lane]);
     return;
   }
-  const int8_t* subs = reinterpret_cast<const int8_t*>(meta);
-  const at::Half* h = reinterpret_cast<const at::Half*>(meta + L.sub * kPanel * tables);
+  const at::Half* h = reinterpret_cast<const at::Half*>(block);
+  const int8_t* subs = reinterpret_cast<const int8_t*>(block + kQuantScales * tables);
   s = static_cast<float>(h[lane]) * static_cast<float>(subs[j * kPanel + lane]);
   m = sym ? -L.zero * s
           : static_cast<float>(h[kPanel + lane]) *
@@ -202,7 +208,8 @@ torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
       panel_lane(ids[i], gated, d, p, lane);
       for (int64_t g = 0; g < L.groups; ++g) {
         const uint8_t* block = src + (p * L.blocks + g / L.sub) * L.block_bytes;
-        const uint8_t* base = block + (g % L.sub) * L.value_bytes;
+        const uint8_t* base =
+            block + quant_head_bytes(L.zero > 0.f, L.sub) + (g % L.sub) * L.value_bytes;
         float s, m;
         group_scale(L, block, g % L.sub, lane, s, m);
         const uint8_t* high = base + kPanel * G / 2;
