@@ -1,9 +1,9 @@
-"""Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight stays
-in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group), packed once
-at load into the bf16 GEMM's panels of 48 outputs, 4, 6 or 8 bits a value plus an fp16 scale and min
-per group and output (the scale alone for a symmetric weight: `symmetric_zero`), or, for GGUF's
-K-quants, their own two levels (`two_levels`: int8 scales and mins a group under an fp16 pair a
-block of 256 inputs); activations are quantized to int8 per row and group as each GEMM starts, and
+"""Weight-only int8 / int6 / int5 / int4 GEMM for CPUs with AVX512-VNNI (`csrc/qgemm.h`): the weight
+stays in its integer form (`quantization.int_weights.IntWeight`: scale * q + min per group), packed
+once at load into the bf16 GEMM's panels of 48 outputs, 4, 5, 6 or 8 bits a value plus an fp16 scale
+and min per group and output (the scale alone for a symmetric weight: `symmetric_zero`), or, for
+GGUF's K-quants, their own two levels (`two_levels`: int8 scales and mins a group under an fp16 pair
+a block of 256 inputs); activations are quantized to int8 per row and group as each GEMM starts, and
 `vpdpbusd` sums 64 products an instruction in exact int32 arithmetic.
 
 A decode step streams every weight once, so its time is bytes / bandwidth: int4 streams about
@@ -36,10 +36,10 @@ def available() -> bool:
     return module is not None and module.qgemm_supported()
 
 
-def storage_bits(bits: int) -> int:
-    """The bits a packed value takes: 4 for values of up to 4 bits, 6 for 5 and 6 (Q5_*,
-    Q6_K), else 8."""
-    return 4 if bits <= 4 else 6 if bits <= 6 else 8
+def storage_bits(bits: int, group: int) -> int:
+    """The bits a packed value takes: 4 for values of up to 4 bits, 5 for 5 in groups of 32
+    (Q5_0, Q5_1, Q5_K), 6 for 5 and 6 (Q6_K), else 8."""
+    return 4 if bits <= 4 else 5 if bits == 5 and group == 32 else 6 if bits <= 6 else 8
 
 
 def symmetric_zero(weight: IntWeight) -> int | None:
@@ -54,12 +54,12 @@ def symmetric_zero(weight: IntWeight) -> int | None:
     first = int(nonzero[0])
     zero = -float(low.reshape(-1)[first]) / float(scale.reshape(-1)[first])
     if not (zero >= 1 and zero.is_integer() and int(zero) & (int(zero) - 1) == 0
-            and zero <= 2 ** (storage_bits(weight.bits) - 1)):
+            and zero <= 2 ** (storage_bits(weight.bits, weight.group) - 1)):
         return None
     if not (torch.equal(low, -zero * scale)
             and torch.equal(low.half(), (-zero * scale.half().float()).half())):
         return None
-    stored = 2 ** storage_bits(weight.bits)
+    stored = 2 ** storage_bits(weight.bits, weight.group)
     if int(weight.q.max()) + stored // 2 - int(zero) >= stored:  # (moved up, it must fit)
         return None
     return int(zero)
@@ -85,7 +85,8 @@ class QuantPackedWeight(PackedGemm):
 
     def __init__(self, weight: IntWeight, gated: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
-        self.gated, self.group, self.bits = gated, weight.group, storage_bits(weight.bits)
+        self.gated, self.group = gated, weight.group
+        self.bits = storage_bits(weight.bits, weight.group)
         self.perm = weight.perm  # act-order: the inputs of the packed columns, gathered first
         zero = symmetric_zero(weight)
         self.symmetric = zero is not None

@@ -1,5 +1,5 @@
-// Weight-only int8 / int6 / int4 GEMM for CPUs with AVX512-VNNI: y = x @ W^T (+ b) where W is stored
-// as unsigned integers with a scale and a min per group of G inputs (the C++ of
+// Weight-only int8 / int6 / int5 / int4 GEMM for CPUs with AVX512-VNNI: y = x @ W^T (+ b) where
+// W is stored as unsigned integers with a scale and a min per group of G inputs (the C++ of
 // aserve/kernels/cpu_qgemm.py, whose `reference` is its torch twin):
 //
 //   W[n, k] = scale[n, g] * q[n, k] + min[n, g]        g = k / G,  0 <= q < 2^bits
@@ -79,6 +79,12 @@ static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G
   });
 }
 
+// Bit s of each byte of t at bit 4 (other bits left for an AND with 0x10 to clear): 16-bit
+// shifts, which move no bit 4 across a byte (s <= 4 left by 4 - s, else right by s - 4).
+static inline __m512i fifth_bit(__m512i t, int s) {
+  return s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4);
+}
+
 // The int32 sums dot[r][v] of one group: rows [0, R) of x (stride K, the group's G int8
 // activations) by its 48 outputs' values at w (the group's bytes in the layout of Bits).
 // FixedG: G known, so that the k-loops unroll whole (0: G as given).
@@ -90,7 +96,28 @@ static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, c
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) dot[r][v] = _mm512_setzero_si512();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  if (Bits == 6 && R > 2) {
+  if (Bits == 5 && R > 2) {
+    // many rows: each quad made whole once (nibble | 16 h), then one dot a row, as for 6 bits
+    const uint8_t* top = w + kPanel * G / 2;
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    ASERVE_UNROLL for (int64_t k32 = 0; k32 < G / 32; ++k32) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i t = _mm512_loadu_si512(top + (k32 * kVecs + v) * 64);
+        ASERVE_UNROLL for (int i = 0; i < 4; ++i) {  // nibble bytes k8 = 4 k32 + i: quads 2i, 2i+1
+          const __m512i n = _mm512_loadu_si512(w + ((4 * k32 + i) * kVecs + v) * 64);
+          const __m512i q0 = _mm512_or_si512(_mm512_and_si512(n, low4),
+                                             _mm512_and_si512(fifth_bit(t, 2 * i), bit4));
+          const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n, 4), low4),
+                                             _mm512_and_si512(fifth_bit(t, 2 * i + 1), bit4));
+          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 32 * k32);
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q0, _mm512_set1_epi32(xr[2 * i]));
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q1, _mm512_set1_epi32(xr[2 * i + 1]));
+          }
+        }
+      }
+    }
+  } else if (Bits == 6 && R > 2) {
     // many rows: each quad of inputs made whole once (nibble | 16 h, as in the 8-bit
     // layout) and then one dot a row, rather than two (the nibbles', the top bits')
     const uint8_t* top = w + kPanel * G / 2;
@@ -126,7 +153,7 @@ static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, c
         }
       }
     }
-  } else if (R <= 2) {  // (4 or 6 bits: the low nibbles)
+  } else if (R <= 2) {  // (4, 5 or 6 bits: the low nibbles)
     // few rows: the high nibbles as they lie (16 q), into sums of their own, so no shift a
     // vector and two independent chains; 16 * sum is exact in int32 and shifted back once
     __m512i high[R][kVecs];
@@ -157,6 +184,24 @@ static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, c
           const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 8 * k8);
           dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], lo, _mm512_set1_epi32(xr[0]));
           dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], hi, _mm512_set1_epi32(xr[1]));
+        }
+      }
+    }
+  }
+  if (Bits == 5 && R <= 2) {
+    // q = nibble + 16 h: bit s of a top byte (input quad s) moved to bit 4 (16 h, unsigned),
+    // its products added into the nibbles' sums; one 16-bit shift and an AND a part
+    const uint8_t* top = w + kPanel * G / 2;
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    ASERVE_UNROLL for (int64_t k32 = 0; k32 < G / 32; ++k32) {
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512i raw = _mm512_loadu_si512(top + (k32 * kVecs + v) * 64);
+        ASERVE_UNROLL for (int sub = 0; sub < 8; ++sub) {
+          const __m512i part = _mm512_and_si512(fifth_bit(raw, sub), bit4);
+          ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 32 * k32);
+            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part, _mm512_set1_epi32(xr[sub]));
+          }
         }
       }
     }
@@ -263,14 +308,18 @@ using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, const
 #define ASERVE_QTILES_G(B, G, T)                                                   \
   {ASERVE_QTILES(B, kPlain, G, T), ASERVE_QTILES(B, kGatedSplit, G, T),            \
    ASERVE_QTILES(B, kGatedSilu, G, T), ASERVE_QTILES(B, kPlainFloat, G, T)}
-#define ASERVE_QTILES_B(G, T) \
-  {ASERVE_QTILES_G(4, G, T), ASERVE_QTILES_G(6, G, T), ASERVE_QTILES_G(8, G, T)}
-// [layout: one level of any group, of 16, of 32; two levels of 16, of 32][bits: 4, 6, 8]
+#define ASERVE_NO_QTILES {{nullptr}, {nullptr}, {nullptr}, {nullptr}}
+#define ASERVE_QTILES_B(G, T, FIVE)                                                \
+  {ASERVE_QTILES_G(4, G, T), FIVE, ASERVE_QTILES_G(6, G, T), ASERVE_QTILES_G(8, G, T)}
+// [layout: one level of any group, of 16, of 32; two levels of 16, of 32][bits: 4, 5, 6, 8]
 // [epilogue: gemm.h's first four][rows]: the groups of GGUF's types have their loops unrolled;
-// GPTQ / AWQ's larger ones run the general tiles
-static const QTile kQTiles[5][3][4][kQRows + 1] = {
-    ASERVE_QTILES_B(0, false), ASERVE_QTILES_B(16, false), ASERVE_QTILES_B(32, false),
-    ASERVE_QTILES_B(16, true), ASERVE_QTILES_B(32, true)};
+// GPTQ / AWQ's larger ones run the general tiles; 5 bits come in groups of 32 alone
+static const QTile kQTiles[5][4][4][kQRows + 1] = {
+    ASERVE_QTILES_B(0, false, ASERVE_NO_QTILES), ASERVE_QTILES_B(16, false, ASERVE_NO_QTILES),
+    ASERVE_QTILES_B(32, false, ASERVE_QTILES_G(5, 32, false)),
+    ASERVE_QTILES_B(16, true, ASERVE_NO_QTILES),
+    ASERVE_QTILES_B(32, true, ASERVE_QTILES_G(5, 32, true))};
+#undef ASERVE_NO_QTILES
 #undef ASERVE_QTILES_B
 #undef ASERVE_QTILES_G
 #undef ASERVE_QTILES
@@ -278,7 +327,7 @@ static const QTile kQTiles[5][3][4][kQRows + 1] = {
 // The tiles (by rows, 1..kQRows) of a layout and an epilogue.
 static inline const QTile* qtiles(const QuantLayout& L, int epilogue) {
   const int fixed = L.group == 16 ? 1 : L.group == 32 ? 2 : 0;
-  return kQTiles[L.sub > 1 ? 2 + fixed : fixed][(L.bits - 4) / 2][epilogue];
+  return kQTiles[L.sub > 1 ? 2 + fixed : fixed][L.bits == 8 ? 3 : L.bits - 4][epilogue];
 }
 
 #endif

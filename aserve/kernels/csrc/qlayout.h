@@ -7,7 +7,9 @@
 //   4 bits: data[k8, v, j, t]  = q[.., G g + 8 k8 + t] | q[.., G g + 8 k8 + 4 + t] << 4 (24 G)
 //   6 bits: 4 bits' layout of the low nibbles (24 G), then the top two bits of 16 inputs a
 //           byte run: high[k16, v, j, t] = sum_s (q[.., G g + 16 k16 + 4 s + t] >> 4) << 2 s
-//           (12 G; Q6_K, and the 5-bit types, in 6/8 of int8's bytes)
+//           (12 G; Q6_K, and 5-bit values in other groups, in 6/8 of int8's bytes)
+//   5 bits: (groups of 32: Q5_0, Q5_1, Q5_K) the nibbles so, then the fifth bits of 32 inputs
+//           a byte: high[k32, v, j, t] = sum_s (q[.., G g + 32 k32 + 4 s + t] >> 4) << s (6 G)
 //
 // and then its scales, in one of two forms:
 //
@@ -68,16 +70,17 @@ static QuantLayout quant_layout(const torch::Tensor& packed, int64_t K) {
   const int64_t span = K / blocks;  // a block's inputs
   QuantLayout found{};
   int matches = 0;
-  for (const int64_t bits : {4, 6, 8})
+  for (const int64_t bits : {4, 5, 6, 8})
     for (const bool sym : {false, true}) {
-      // one level: a block is a group of `span` inputs
-      if (span % 16 == 0 && bb == quant_block_bytes(span, bits, sym, 1))
+      // one level: a block is a group of `span` inputs (5 bits: of 32 alone)
+      if (span % 16 == 0 && (bits != 5 || span == 32) &&
+          bb == quant_block_bytes(span, bits, sym, 1))
         found = {span, bits, blocks, 1, kPanel * span * bits / 8, bb, blocks,
                  sym ? static_cast<float>(int64_t{1} << (bits - 1)) : 0.f},
         ++matches;
       if (span != kSuperBlock) continue;
       for (const int64_t G : {16, 32})
-        if (bb == quant_block_bytes(G, bits, sym, kSuperBlock / G))
+        if ((bits != 5 || G == 32) && bb == quant_block_bytes(G, bits, sym, kSuperBlock / G))
           found = {G, bits, K / G, kSuperBlock / G, kPanel * G * bits / 8, bb, blocks,
                    sym ? static_cast<float>(int64_t{1} << (bits - 1)) : 0.f},
           ++matches;
@@ -97,7 +100,8 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
                          c10::optional<torch::Tensor> block_mins_) {
   const bool symmetric = !mins_.has_value(), two = block_scale_.has_value();
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte, "qgemm_pack: q is uint8 [N, K]");
-  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qgemm_pack: 4, 6 or 8 bits, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 6 || bits == 8,
+              "qgemm_pack: 4, 5, 6 or 8 bits, not ", bits);
   TORCH_CHECK(!two || block_mins_.has_value() != symmetric,
               "qgemm_pack: block mins go with sub-mins");
   const int64_t N = q.size(0), K = q.size(1);
@@ -110,6 +114,7 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
   const int64_t groups = scale.size(1);
   TORCH_CHECK(K % groups == 0 && (K / groups) % 16 == 0,
               "qgemm_pack: the group size must divide K and be a multiple of 16");
+  TORCH_CHECK(bits != 5 || K / groups == 32, "qgemm_pack: 5 bits take groups of 32");
   const int64_t G = K / groups, sub = two ? kSuperBlock / G : 1;
   // the fp16 tables: one level, the groups'; two, the blocks'
   torch::Tensor bscale = two ? block_scale_->contiguous() : scale.contiguous();
@@ -141,7 +146,7 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
         uint8_t* block = dst + (p * blocks + g / sub) * bb;
         uint8_t* base = block + head + (g % sub) * vb;
         const uint8_t* row = src + n * K + g * G;
-        uint8_t* high = base + kPanel * G / 2;  // 6 bits: the top two bits' run
+        uint8_t* high = base + kPanel * G / 2;  // 5 or 6 bits: the top bits' run
         for (int64_t k = 0; k < G; ++k) {
           if (bits == 8) {
             base[((k / 4) * kPanel + lane) * 4 + k % 4] = row[k];
@@ -150,6 +155,8 @@ torch::Tensor qgemm_pack(torch::Tensor q, torch::Tensor scale, c10::optional<tor
           base[((k / 8) * kPanel + lane) * 4 + k % 4] |= (row[k] & 0x0F) << (4 * ((k % 8) / 4));
           if (bits == 6)
             high[((k / 16) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << (2 * ((k % 16) / 4));
+          if (bits == 5)
+            high[((k / 32) * kPanel + lane) * 4 + k % 4] |= (row[k] >> 4) << ((k % 32) / 4);
         }
         if (two) {  // the sub-scales (and sub-mins) of group g % sub
           int8_t* subs = reinterpret_cast<int8_t*>(block + kQuantScales * tables);
@@ -220,6 +227,8 @@ torch::Tensor qgemm_rows(torch::Tensor packed, int64_t N, int64_t K, bool gated,
           if (L.bits == 6)
             q |= ((high[((k / 16) * kPanel + lane) * 4 + k % 4] >> (2 * ((k % 16) / 4))) & 3)
                  << 4;
+          if (L.bits == 5)
+            q |= ((high[((k / 32) * kPanel + lane) * 4 + k % 4] >> ((k % 32) / 4)) & 1) << 4;
           dst[i * K + g * G + k] = s * static_cast<float>(q) + m;
         }
       }
