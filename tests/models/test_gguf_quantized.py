@@ -40,7 +40,9 @@ def packed_kinds(llm: LLM) -> set[type]:
 
 @pytest.mark.parametrize("arch, qtype, overrides", [
     ("llama", "Q4_1", {}), ("qwen2", "Q8_0", {}), ("llama", "Q4_K", K_QUANT_MODEL),
+    ("llama", "Q5_K", K_QUANT_MODEL),  # (K-quants of 256-wide rows: their own two levels)
     pytest.param("mistral", "Q6_K", K_QUANT_MODEL, marks=pytest.mark.slow),
+    pytest.param("llama", "Q3_K", K_QUANT_MODEL, marks=pytest.mark.slow),
     pytest.param("qwen3", "Q5_0", {}, marks=pytest.mark.slow)])
 def test_the_fast_path_keeps_integers_and_scores_as_the_float_reference(
         model_dir_factory, tmp_path, arch, qtype, overrides):
@@ -48,6 +50,9 @@ def test_the_fast_path_keeps_integers_and_scores_as_the_float_reference(
     path = write_gguf(hf_dir, tmp_path / f"{arch}-{qtype}.gguf", qtype)
     error, bf16_error, fast = scores_as_reference(path, PROMPTS, dtype="bfloat16")
     assert packed_kinds(fast) == {QuantPackedWeight}  # every linear, the LM head too
+    if qtype.endswith("_K"):  # (rows of whole 256-input blocks: the K-quant's own two levels)
+        assert all(m.packed_weight.two_levels for m in model_of(fast).modules()
+                   if getattr(m, "packed_weight", None) is not None)
     layer = model_of(fast).model.layers[0]
     if getattr(layer.self_attn, "q_norm", None) is None:  # (qwen3's q/k norms run in Python)
         assert CpuDecoderBlock.of(layer) is not None  # the whole-layer C++ call takes them
@@ -103,24 +108,26 @@ def test_a_quantization_the_checkpoint_has_not_is_refused(model_dir_factory, tmp
             max_model_len=64)
 
 
-MOE_CASES = {  # as tests/models/test_gguf.py's mixtures of experts
-    "mixtral": ("Q8_0", dict(num_local_experts=5, num_experts_per_tok=2)),
-    "qwen2_moe": ("Q4_0", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+MOE_CASES = [  # as tests/models/test_gguf.py's mixtures of experts
+    ("mixtral", "Q8_0", dict(num_local_experts=5, num_experts_per_tok=2)),
+    ("qwen2_moe", "Q4_0", dict(num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
                                moe_intermediate_size=64, shared_expert_intermediate_size=96,
                                norm_topk_prob=False)),
-}
+    ("mixtral", "Q5_K", dict(num_local_experts=4, num_experts_per_tok=2, **K_QUANT_MODEL)),
+]
 
 
-@pytest.mark.parametrize("arch", list(MOE_CASES))
-def test_experts_keep_their_integers_too(model_dir_factory, tmp_path, arch):
+@pytest.mark.parametrize("arch, qtype, overrides", MOE_CASES)
+def test_experts_keep_their_integers_too(model_dir_factory, tmp_path, arch, qtype, overrides):
     from aserve.kernels.cpu_qgemm import QuantFusedMoE
     from aserve.layers.moe import FusedMoE
 
-    qtype, overrides = MOE_CASES[arch]
     path = write_gguf(model_dir_factory(arch, **overrides), tmp_path / f"{arch}.gguf", qtype)
     error, bf16_error, fast = scores_as_reference(path, PROMPTS, dtype="bfloat16")
     experts = [m for m in model_of(fast).modules() if isinstance(m, FusedMoE)]
     assert experts and all(isinstance(m._run, QuantFusedMoE) for m in experts)
+    if qtype.endswith("_K"):  # (the experts' packs in two levels, in the one C++ call)
+        assert all(m._run.stacked is not None and m._run.w13[0].two_levels for m in experts)
     assert all(m.w13_weight.numel() == 0 for m in experts)  # no float copy kept
     fast.engine_core.shutdown()
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
