@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     kinds = {"bf16": [cpu_gemm.PackedWeight(torch.randn(n, k, generator=gen).bfloat16(), g)
                       for n, k, g in shapes], "int8": integer(8), "int6": integer(6),
-             "int4": integer(4)}
+             "int5": integer(5), "int4": integer(4)}
     buffers = [cpu_gemm.gather_in_huge_pages(ws) for ws in kinds.values()]  # kept alive
     xs = {k: torch.randn(args.rows, k, generator=gen).bfloat16() for _, k, _ in shapes}
     times = {name: [] for name in kinds}
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         best = min(times[name])
         result[name] = {"ms": round(best * 1e3, 3), "mb": round(nbytes / 1e6, 1),
                         "gb_s": round(nbytes / best / 1e9, 1)}
-    for name in ("int8", "int6", "int4"):
+    for name in ("int8", "int6", "int5", "int4"):
         result[f"{name}_over_bf16"] = round(result[name]["ms"] / result["bf16"]["ms"], 3)
     print(json.dumps(result), flush=True)
     return 0

@@ -39,10 +39,11 @@ def assert_bf16_of(y: torch.Tensor, exact: torch.Tensor) -> None:
     assert close > 0.95, close  # most bit-equal
 
 
-CASES = [  # rows, cols, group, bits (of a value), M
+CASES = [  # rows, cols, group, bits (of a value), M (5, 6 bits past 32: unpacked to bytes)
     (96, 64, 32, 4, 1), (100, 128, 32, 8, 5), (49, 256, 16, 4, 3), (50, 256, 128, 6, 70),
     (200, 96, 32, 2, 4), (48, 512, 64, 5, 9), (17, 32, 32, 8, 130), (97, 64, 16, 6, 1),
-    (60, 96, 16, 6, 2), (48, 160, 32, 5, 3), (96, 64, 32, 5, 1), (50, 128, 32, 5, 6)]
+    (60, 96, 16, 6, 2), (48, 160, 32, 5, 3), (96, 64, 32, 5, 1), (50, 128, 32, 5, 40),
+    (64, 128, 32, 4, 20), (60, 64, 32, 6, 9)]
 
 
 @pytest.mark.parametrize("rows, cols, group, bits, m", CASES)

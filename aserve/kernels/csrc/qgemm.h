@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -330,6 +331,128 @@ static inline const QTile* qtiles(const QuantLayout& L, int epilogue) {
   return kQTiles[L.sub > 1 ? 2 + fixed : fixed][L.bits == 8 ? 3 : L.bits - 4][epilogue];
 }
 
+
+// Many rows: the 5- and 6-bit tiles unpack their values once a tile of 4 rows, so a panel of
+// a prompt's rows is unpacked once to bytes (the 8-bit layout, the same scales) in a buffer of
+// the thread's, and the 8-bit tiles run over that (4 bits unpack in one AND a vector: their
+// tiles keep them). At 512 rows of Llama-3.2-1B's shapes, 6 bits took 0.74 of bf16's time so
+// against 0.87 unpacked a tile at a time (5 bits 0.77 against 0.92); at 32 rows (a batch's
+// decode) writing and rereading the bytes cost what it saved, so fewer rows keep the tiles
+// (docs/benchmarks/quantization.md). A thread keeps the panel it unpacked last (within one
+// call: its next task is often the panel's next row block).
+constexpr int64_t kUnpackRows = 32;  // more rows than this in a task: unpacked once
+
+// The 8-bit layout of L's values, its scales as L's.
+static inline QuantLayout bytes_layout(const QuantLayout& L) {
+  const bool sym = L.zero > 0.f;
+  QuantLayout B = L;
+  B.bits = 8, B.value_bytes = kPanel * L.group;
+  B.block_bytes = quant_block_bytes(L.group, 8, sym, L.sub);
+  return B;
+}
+
+// One group's values (4, 5 or 6 bits, G inputs) at src as bytes at dst (8-bit layout), both
+// read and written front to back.
+static void unpack_group(const uint8_t* src, int64_t bits, int64_t G, uint8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30),
+                bit4 = _mm512_set1_epi8(0x10);
+  const uint8_t* top = src + kPanel * G / 2;
+  auto nibbles = [&](int64_t k8, int v) {
+    return _mm512_loadu_si512(src + (k8 * kVecs + v) * 64);
+  };
+  auto store = [&](int64_t kq, int v, __m512i q) {
+    _mm512_storeu_si512(dst + (kq * kVecs + v) * 64, q);
+  };
+  if (bits == 4) {
+    for (int64_t k8 = 0; k8 < G / 8; ++k8) {
+      __m512i n[kVecs];
+      for (int v = 0; v < kVecs; ++v) n[v] = nibbles(k8, v);
+      for (int v = 0; v < kVecs; ++v) store(2 * k8, v, _mm512_and_si512(n[v], low4));
+      for (int v = 0; v < kVecs; ++v)
+        store(2 * k8 + 1, v, _mm512_and_si512(_mm512_srli_epi16(n[v], 4), low4));
+    }
+    return;
+  }
+  const int64_t span = bits == 5 ? 32 : 16, nibble_bytes = span / 8;  // inputs a top byte
+  for (int64_t kt = 0; kt < G / span; ++kt)
+    for (int64_t i = 0; i < nibble_bytes; ++i)
+      for (int half = 0; half < 2; ++half)  // quad 2 i + half of the span's
+        for (int v = 0; v < kVecs; ++v) {
+          const int s = 2 * static_cast<int>(i) + half;
+          const __m512i t = _mm512_loadu_si512(top + (kt * kVecs + v) * 64);
+          const __m512i n = nibbles(kt * nibble_bytes + i, v);
+          const __m512i low = _mm512_and_si512(half == 0 ? n : _mm512_srli_epi16(n, 4), low4);
+          __m512i h;  // the quad's top bits, moved to bit 4 (5 bits) or bits 4-5 (6 bits)
+          if (bits == 5) {
+            h = _mm512_and_si512(fifth_bit(t, s), bit4);
+          } else {
+            h = _mm512_and_si512(s == 0   ? _mm512_slli_epi16(t, 4)
+                                 : s == 1 ? _mm512_slli_epi16(t, 2)
+                                 : s == 2 ? t
+                                          : _mm512_srli_epi16(t, 2),
+                                 bits45);
+          }
+          store(kt * span / 4 + s, v, _mm512_or_si512(low, h));
+        }
+}
+
+// A panel of layout L as bytes (layout B = bytes_layout(L)) in this thread's buffer; `call`
+// tells calls apart, so a buffer is reused only within the call that filled it.
+static const uint8_t* unpacked_panel(const QuantLayout& L, const QuantLayout& B,
+                                     const uint8_t* panel, uint64_t call) {
+  static thread_local std::vector<uint8_t> buffer;
+  static thread_local const uint8_t* last = nullptr;
+  static thread_local uint64_t last_call = 0;
+  const int64_t bytes = B.blocks * B.block_bytes;
+  if (static_cast<int64_t>(buffer.size()) < bytes + 64) {
+    buffer.resize(bytes + 64);
+    last = nullptr;
+  }
+  uint8_t* out = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) &
+                                            ~uintptr_t{63});
+  if (last == panel && last_call == call) return out;
+  const bool sym = L.zero > 0.f;
+  const int64_t head = L.sub > 1 ? quant_head_bytes(sym, L.sub) : 0;
+  const int64_t tables = L.sub > 1 ? 0 : kQuantScales * (sym ? 1 : 2);  // one level's, a group
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* src = panel + b * L.block_bytes;
+    uint8_t* dst = out + b * B.block_bytes;
+    std::copy_n(src, head, dst);
+    for (int64_t j = 0; j < L.sub; ++j) {
+      const uint8_t* values = src + head + j * L.value_bytes;
+      uint8_t* into = dst + head + j * B.value_bytes;
+      unpack_group(values, L.bits, L.group, into);
+      std::copy_n(values + L.value_bytes, tables, into + B.value_bytes);
+    }
+  }
+  last = panel, last_call = call;
+  return out;
+}
+
+// A task's rows [0, rows) (x quantized: xq, xs / xsum at their row 0) @ one panel into c (row
+// stride ldc elements of `item` bytes), by L's tiles, or, past kUnpackRows rows of fewer bits,
+// by the 8-bit tiles over the panel unpacked once.
+static void qpanel_rows(const QuantLayout& L, int epilogue, const uint8_t* panel, uint64_t call,
+                        const int8_t* xq, int64_t K, const float* xs, const float* xsum,
+                        int64_t rows, char* c, int64_t ldc, int64_t item, int64_t cols,
+                        const TileEpilogue& ep) {
+  const QuantLayout* layout = &L;
+  QuantLayout B;
+  if ((L.bits == 5 || L.bits == 6) && rows > kUnpackRows) {
+    B = bytes_layout(L);
+    panel = unpacked_panel(L, B, panel, call), layout = &B;
+  }
+  const QTile* tiles = qtiles(*layout, epilogue);
+  for (int64_t m = 0; m < rows; m += kQRows)
+    tiles[std::min(kQRows, rows - m)](xq + m * K, K, xs + m * L.groups, xsum + m * L.groups,
+                                      panel, *layout, c + m * ldc * item, ldc, cols, ep);
+}
+
+// A number for each GEMM call (qpanel_rows' `call`).
+static inline uint64_t next_qgemm_call() {
+  static std::atomic<uint64_t> calls{0};
+  return ++calls;
+}
 #endif
 
 // gemm_linear's contract for a packed quantized weight: y = x [M, K] @ W^T, epilogue 0 (plain,
@@ -355,15 +478,14 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   char* c = static_cast<char*>(call.y.data_ptr());
   const int64_t item = call.y.element_size();
-  const QTile* tiles = qtiles(L, epilogue);
   const int64_t panel_bytes = L.blocks * L.block_bytes;
+  const uint64_t id = next_qgemm_call();
   for_each_panel_task(
       call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
       [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
-        for (int64_t m = m0; m < m0 + rows; m += kQRows)
-          tiles[std::min(kQRows, m0 + rows - m)](
-              a + m * K, K, scales + m * L.groups, sums + m * L.groups, w + p * panel_bytes,
-              L, c + (m * ldc + p * call.width) * item, ldc, cols, ep);
+        qpanel_rows(L, static_cast<int>(epilogue), w + p * panel_bytes, id, a + m0 * K, K,
+                    scales + m0 * L.groups, sums + m0 * L.groups, rows,
+                    c + (m0 * ldc + p * call.width) * item, ldc, item, cols, ep);
       });
   if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's
 #endif

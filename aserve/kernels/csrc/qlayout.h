@@ -17,9 +17,9 @@
 //   two levels (a block is a super-block of 256 inputs, 256 / G groups, as GGUF's K-quants
 //     store them), ahead of the values, so that a block is read front to back: the block's 48
 //     fp16 scales and 48 fp16 mins, then per group 48 int8 sub-scales, then per group 48 int8
-//     sub-mins (padded to whole cache lines); scale = block scale * sub-scale, min = block min * sub-min (exact in float32:
-//     11 by 8 bits). Q4_K: 4.625 bits a weight against one level's 5 (its own 4.5 packs the
-//     6-bit sub-scales tighter); Q6_K 6.56 against 7.
+//     sub-mins (padded to whole cache lines); scale = block scale * sub-scale, min = block
+//     min * sub-min (exact in float32: 11 by 8 bits). Q4_K: 4.625 bits a weight against one
+//     level's 5 (its own 4.5 packs the 6-bit sub-scales tighter); Q6_K 6.56 against 7.
 //
 // Symmetric weights (every min -2^(bits-1) scale: Q8_0, Q4_0, Q6_K, GPTQ without zero points)
 // leave out every min (of both levels); the kernel makes it from the scale.

@@ -40,17 +40,16 @@ struct QuantRows {
 static void qmoe_gemm(const MoeRoute& r, const QuantRows& a, const uint8_t* w, int64_t panels,
                       const QuantLayout& L, int epilogue, int64_t width, at::BFloat16* out,
                       int64_t ldc) {
-  const QTile* tiles = qtiles(L, epilogue);
   const int64_t panel_bytes = L.blocks * L.block_bytes;
+  const uint64_t id = next_qgemm_call();
   for_each_task(moe_tasks(r, panels), [&](const MoeTask& t) {
     TileEpilogue ep;
     ep.d = epilogue == kGatedSilu ? ldc : 0;
     const int64_t cols = std::min(width, ldc - t.p * width);
-    for (int64_t m = t.m0; m < t.m0 + t.rows; m += kQRows)
-      tiles[std::min(kQRows, t.m0 + t.rows - m)](
-          a.q + m * a.K, a.K, a.scales + m * L.groups, a.sums + m * L.groups,
-          w + (t.e * panels + t.p) * panel_bytes, L, out + m * ldc + t.p * width, ldc, cols,
-          ep);
+    qpanel_rows(L, epilogue, w + (t.e * panels + t.p) * panel_bytes, id, a.q + t.m0 * a.K, a.K,
+                a.scales + t.m0 * L.groups, a.sums + t.m0 * L.groups, t.rows,
+                reinterpret_cast<char*>(out + t.m0 * ldc + t.p * width), ldc,
+                sizeof(at::BFloat16), cols, ep);
   });
 }
 #endif
