@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for n, k, gated in shapes:
             q = torch.randint(0, 2 ** bits, (n, k), generator=gen, dtype=torch.uint8)
-            scale = torch.rand(n, k // args.group, generator=gen) * 0.01
+            # fp16 scales, mins -2^(bits-1) scale: symmetric (Q8_0, Q4_0, Q5_0, Q6_K...)
+            scale = (torch.rand(n, k // args.group, generator=gen) * 0.01 + 1e-3).half().float()
             out.append(cpu_qgemm.QuantPackedWeight(
                 IntWeight(q, scale, -scale * 2 ** (bits - 1), args.group, bits), gated))
         return out

@@ -267,8 +267,7 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
         const __m512 bm = sym ? bs : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
         ASERVE_UNROLL for (int64_t j = 0; j < kSubs; ++j) {
           gs[j][v] = sub_times(subs + j * kPanel, v, bs);
-          gm[j][v] = sym ? _mm512_mul_ps(gs[j][v], neg_zero)
-                         : sub_times(subs + (kSubs + j) * kPanel, v, bm);
+          if (!sym) gm[j][v] = sub_times(subs + (kSubs + j) * kPanel, v, bm);
         }
       }
     }
@@ -280,17 +279,25 @@ static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsu
       __m512 s[kVecs], m[kVecs];
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
         if (Two) {
-          s[v] = gs[j][v], m[v] = gm[j][v];
+          s[v] = gs[j][v];
+          if (!sym) m[v] = gm[j][v];
         } else {  // one level: the group's fp16 scales and mins after its values
           const __m256i* h = reinterpret_cast<const __m256i*>(w + vb);
           s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
-          m[v] = sym ? _mm512_mul_ps(s[v], neg_zero)
-                     : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+          if (!sym) m[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
         }
       }
       ASERVE_UNROLL for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
         const __m512 bsum = _mm512_set1_ps(xsum[r * groups + g]);
+        if (sym) {  // scale * (xs dot - zero xsum): three operations an output vector, not four
+          const __m512 shift = _mm512_mul_ps(neg_zero, bsum);
+          ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), a, shift);
+            acc[r][v] = _mm512_fmadd_ps(t, s[v], acc[r][v]);
+          }
+          continue;
+        }
         ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
           const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), a);
           acc[r][v] = _mm512_fmadd_ps(m[v], bsum, _mm512_fmadd_ps(t, s[v], acc[r][v]));
