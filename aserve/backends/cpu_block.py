@@ -1,7 +1,8 @@
 """The CPU bf16 platform's whole-decoder-layer calls (`KernelOps.decoder_layer`,
 `decoder_stack`): a pre-norm decoder layer as one C++ call (`kernels.cpu_decoder_layer`) where
 every op it would call runs aserve's CPU bf16 kernels: the packed GEMMs (the MLP's gate_up
-packed gated), the fused RMSNorm and RoPE, the row-tile attention over the paged cache. Same
+packed gated; a GPTQ act-order weight's inputs gathered first, as its module does), the fused
+RMSNorm and RoPE, the row-tile attention over the paged cache. Same
 kernels, same order, same tensors: outputs bit-identical to the module-by-module forward,
 without the Python between the ops; and a stage's layers as one call.
 
@@ -27,6 +28,7 @@ from aserve.kernels.cpu_gemm import PackedWeight
 from aserve.kernels.cpu_qgemm import QuantPackedWeight
 
 _NONE = torch.empty(0, dtype=torch.bfloat16)  # an absent bias; the first layer's residual
+_NO_PERM = torch.empty(0, dtype=torch.int64)  # a linear without act-order
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,6 @@ class DecoderLayerWeights:
         """Whether the C++ layer computes exactly what these modules do."""
         packed = (self.qkv, self.o, self.gate_up, self.down)
         return (all(isinstance(p, PackedWeight | QuantPackedWeight) for p in packed)
-                and all(getattr(p, "perm", None) is None for p in packed)  # (act-order)
                 and [p.gated for p in packed] == [False, False, True, False]
                 and self.tp_size == 1 and self.q_norm is None and self.k_norm is None
                 and self.gate_up_bias is None
@@ -128,9 +129,13 @@ class CpuDecoderBlock:
         def bias(b: torch.Tensor | None) -> torch.Tensor:
             return _NONE if b is None else b
 
+        def perm(p: PackedWeight | QuantPackedWeight) -> torch.Tensor:
+            order = getattr(p, "perm", None)  # (act-order: the packed columns' inputs)
+            return _NO_PERM if order is None else order.to(torch.int64).contiguous()
+
         weights = [w.input_norm, w.post_norm, w.qkv.data, bias(w.qkv_bias), w.o.data,
                    bias(w.o_bias), w.gate_up.data, w.down.data, bias(w.down_bias), w.cos, w.sin,
-                   w.k_cache, w.v_cache]
+                   w.k_cache, w.v_cache, perm(w.qkv), perm(w.o), perm(w.gate_up), perm(w.down)]
         sizes = [w.qkv.out_features, w.o.out_features, w.gate_up.out_features,
                  w.down.out_features, w.num_heads, w.num_kv_heads, w.head_dim, w.rotary_dim,
                  w.sliding_window or 0]

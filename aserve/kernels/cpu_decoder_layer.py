@@ -20,7 +20,9 @@ from __future__ import annotations
 
 # the list arguments of decoder_layer, in order
 WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
-           "down_bias", "cos", "sin", "k_cache", "v_cache")
+           "down_bias", "cos", "sin", "k_cache", "v_cache",
+           # act-order (GPTQ): the inputs of each linear's packed columns, int64 (or empty)
+           "qkv_perm", "o_perm", "gate_up_perm", "down_perm")
 PLAN = ("block_table", "tiles", "slot_mapping")
 SIZES = ("qkv_out", "o_out", "gate_up_out", "down_out", "num_heads", "num_kv_heads", "head_dim",
          "rotary_dim", "window", "rows")

@@ -240,8 +240,7 @@ def test_the_integer_form_is_the_dequantized_weight(model_dir_factory, tmp_path,
 def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path, case):
     """In bf16, GPTQ (act-order too: its inputs gathered in group order first) / AWQ /
     compressed-tensors int weights stay as integers for the VNNI GEMM and score text as the
-    float reference does; act-order layers run module by module (the whole-layer call
-    gathers no inputs)."""
+    float reference does, in the whole-layer call (act-order: its inputs gathered there)."""
     from helpers.parity import scores_as_reference
 
     from aserve.backends.cpu_block import CpuDecoderBlock
@@ -259,8 +258,48 @@ def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path
     whole_layer = CpuDecoderBlock.of(layer)
     fast.engine_core.shutdown()
     assert kinds == {QuantPackedWeight}
-    assert (whole_layer is None) == (case == "gptq-act-order")
+    assert whole_layer is not None
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
+
+
+def test_act_order_in_the_whole_layer_call_is_the_module_forward_bit_for_bit(
+        model_dir_factory, tmp_path, monkeypatch):
+    """GPTQ's act-order inside the decoder stack's one C++ call: each linear's inputs gathered
+    in its packed columns' order there, as its module does, so tokens and logprobs are the
+    module-by-module forward's exactly (rows past a tile, prompts and decode)."""
+    import dataclasses
+
+    from aserve import SamplingParams
+    from aserve.backends import CpuPlatform, cpu_block
+    from aserve.kernels import cpu_qgemm
+
+    if not cpu_qgemm.available():
+        pytest.skip("the CPU or build lacks AVX512-VNNI / BF16")
+    quantize, config = CASES["gptq-act-order"]
+    out, _ = quantized_copy(model_dir_factory("llama"), tmp_path / "ao", quantize, config)
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[0] * 5, PROMPTS[1], PROMPTS[0])]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    stack_calls = []
+    call = cpu_block.CpuDecoderStack.__call__
+
+    def counted(self, *args):
+        result = call(self, *args)
+        stack_calls.append(result is not None)
+        return result
+    monkeypatch.setattr(cpu_block.CpuDecoderStack, "__call__", counted)
+
+    def run() -> list:
+        with LLM(str(out), dtype="bfloat16", max_model_len=128) as llm:
+            outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    stacked = run()
+    assert stack_calls and all(stack_calls)
+    kernel_ops = CpuPlatform.kernel_ops
+    monkeypatch.setattr(CpuPlatform, "kernel_ops", lambda self, dtype: dataclasses.replace(
+        kernel_ops(self, dtype), decoder_stack=None, decoder_layer=None))
+    stack_calls.clear()
+    assert run() == stacked and not stack_calls
 
 
 def test_a_float16_quantized_checkpoint_runs_in_bfloat16_on_the_cpu(model_dir_factory, tmp_path):

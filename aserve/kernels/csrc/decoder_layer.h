@@ -27,6 +27,12 @@ static inline c10::optional<torch::Tensor> bias_of(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+// A GEMM's input in its packed columns' order: x[:, perm] for an act-order (GPTQ) weight, as
+// cpu_qgemm.QuantPackedWeight gathers it; x as it is where perm is empty.
+static inline torch::Tensor in_columns(const torch::Tensor& x, const torch::Tensor& perm) {
+  return perm.numel() > 0 ? x.index_select(1, perm) : x;
+}
+
 // See cpu_decoder_layer.py: the ops of one decoder layer, in order, with no Python between them.
 std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor residual,
                                          torch::Tensor positions, std::vector<torch::Tensor> w,
@@ -34,7 +40,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
                                          std::vector<int64_t> n, double eps, double scale,
                                          double soft_cap) {
   enum { kInNorm, kPostNorm, kQkv, kQkvBias, kO, kOBias, kGateUp, kDown, kDownBias, kCos, kSin,
-         kKCache, kVCache, kWeights };
+         kKCache, kVCache, kQkvPerm, kOPerm, kGateUpPerm, kDownPerm, kWeights };
   enum { kQkvOut, kOOut, kGateUpOut, kDownOut, kHeads, kKvHeads, kHeadDim, kRotary, kWindow,
          kRows, kSizes };
   TORCH_CHECK(w.size() == kWeights && plan.size() == 3 && n.size() == kSizes,
@@ -49,7 +55,8 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
     rms_norm(x, residual, w[kInNorm], eps);
   }
   const int64_t T = x.size(0), hq = n[kHeads], hkv = n[kKvHeads], d = n[kHeadDim];
-  torch::Tensor qkv = packed_linear(x, w[kQkv], n[kQkvOut], bias_of(w[kQkvBias]), kPlain);
+  torch::Tensor qkv =
+      packed_linear(in_columns(x, w[kQkvPerm]), w[kQkv], n[kQkvOut], bias_of(w[kQkvBias]), kPlain);
   rope(positions, qkv.narrow(1, 0, (hq + hkv) * d), w[kCos], w[kSin], d, n[kRotary]);
   store_kv(qkv.narrow(1, hq * d, hkv * d).view({T, hkv, d}),
            qkv.narrow(1, (hq + hkv) * d, hkv * d).view({T, hkv, d}), w[kKCache], w[kVCache],
@@ -59,11 +66,14 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor hidden, torch::Tensor res
   if (plan[1].size(0) > 0)
     attend_rows(qkv.narrow(1, 0, hq * d).view({T, hq, d}), w[kKCache], w[kVCache], plan[0],
                 plan[1], attn, scale, n[kWindow], soft_cap, c10::nullopt);  // no sinks here
-  torch::Tensor o = packed_linear(attn.view({T, hq * d}), w[kO], n[kOOut], bias_of(w[kOBias]),
-                                kPlain);
+  torch::Tensor o = packed_linear(in_columns(attn.view({T, hq * d}), w[kOPerm]), w[kO],
+                                  n[kOOut], bias_of(w[kOBias]), kPlain);
   rms_norm(o, residual, w[kPostNorm], eps);
-  torch::Tensor act = packed_linear(o, w[kGateUp], n[kGateUpOut], c10::nullopt, kGatedSilu);
-  return {packed_linear(act, w[kDown], n[kDownOut], bias_of(w[kDownBias]), kPlain), residual};
+  torch::Tensor act = packed_linear(in_columns(o, w[kGateUpPerm]), w[kGateUp], n[kGateUpOut],
+                                    c10::nullopt, kGatedSilu);
+  return {packed_linear(in_columns(act, w[kDownPerm]), w[kDown], n[kDownOut],
+                        bias_of(w[kDownBias]), kPlain),
+          residual};
 }
 
 // A run of decoder layers (a model's, or a pipeline stage's share) bound once, so that a step
