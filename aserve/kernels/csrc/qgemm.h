@@ -245,6 +245,74 @@ static inline __m512 sub_times(const int8_t* p, int v, __m512 block) {
   return _mm512_mul_ps(block, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
 }
 
+// Two levels: a block's float scales (and mins) of its groups, gs[j][v] / gm[j][v], made at
+// once from the tables ahead of its values: read in the middle of the block's values instead,
+// they break its front-to-back stream, and from memory the tile ran at half its speed.
+template <int FixedG>
+static inline __attribute__((always_inline)) void block_scales(
+    const uint8_t* block, const QuantLayout& L, __m512 (&gs)[kSuperBlock / FixedG][kVecs],
+    __m512 (&gm)[kSuperBlock / FixedG][kVecs]) {
+  constexpr int64_t kSubs = kSuperBlock / FixedG;
+  const bool sym = L.zero > 0.f;
+  const __m256i* h = reinterpret_cast<const __m256i*>(block);
+  const int8_t* subs = reinterpret_cast<const int8_t*>(block + kQuantScales * (sym ? 1 : 2));
+  ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+    const __m512 bs = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
+    const __m512 bm = sym ? bs : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+    ASERVE_UNROLL for (int64_t j = 0; j < kSubs; ++j) {
+      gs[j][v] = sub_times(subs + j * kPanel, v, bs);
+      if (!sym) gm[j][v] = sub_times(subs + (kSubs + j) * kPanel, v, bm);
+    }
+  }
+}
+
+// acc[R][kVecs] += rows [0, R) of x (quantized: xq with stride K, xs / xsum with stride
+// L.groups) @ block b of a panel (at `block`); two levels: its groups' scales gs / gm.
+template <int R, int Bits, int FixedG, bool Two>
+static inline __attribute__((always_inline)) void block_sums(
+    __m512 (&acc)[R][kVecs], const uint8_t* block, int64_t b, const QuantLayout& L,
+    const int8_t* xq, int64_t K, const float* xs, const float* xsum, const __m512 (*gs)[kVecs],
+    const __m512 (*gm)[kVecs]) {
+  const int64_t G = FixedG > 0 ? FixedG : L.group, sub = Two ? kSuperBlock / FixedG : 1;
+  const int64_t groups = L.groups, vb = kPanel * G * Bits / 8;
+  const bool sym = L.zero > 0.f;
+  const __m512 neg_zero = _mm512_set1_ps(-L.zero);
+  const int64_t head = Two ? quant_head_bytes(sym, sub) : 0;
+  for (int64_t j = 0; j < sub; ++j) {
+    const int64_t g = b * sub + j;
+    const uint8_t* w = block + head + j * vb;
+    __m512i dot[R][kVecs];
+    group_dots<R, Bits, FixedG>(w, xq + g * G, K, G, dot);
+    __m512 s[kVecs], m[kVecs];
+    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+      if (Two) {
+        s[v] = gs[j][v];
+        if (!sym) m[v] = gm[j][v];
+      } else {  // one level: the group's fp16 scales and mins after its values
+        const __m256i* h = reinterpret_cast<const __m256i*>(w + vb);
+        s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
+        if (!sym) m[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
+      }
+    }
+    ASERVE_UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
+      const __m512 bsum = _mm512_set1_ps(xsum[r * groups + g]);
+      if (sym) {  // scale * (xs dot - zero xsum): three operations an output vector, not four
+        const __m512 shift = _mm512_mul_ps(neg_zero, bsum);
+        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), a, shift);
+          acc[r][v] = _mm512_fmadd_ps(t, s[v], acc[r][v]);
+        }
+        continue;
+      }
+      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), a);
+        acc[r][v] = _mm512_fmadd_ps(m[v], bsum, _mm512_fmadd_ps(t, s[v], acc[r][v]));
+      }
+    }
+  }
+}
+
 // c[0:R, 0:cols] = rows [0, R) of x (quantized: xq with stride K, xs / xsum with stride
 // `L.groups`) @ one packed panel, stored by epilogue E. FixedG: the group size, so the k-loops
 // unroll whole (0: any, L.group); Two: the layout's two levels (FixedG 16 or 32).
@@ -252,70 +320,89 @@ template <int R, int Bits, int E, int FixedG, bool Two>
 static void qtile(const int8_t* xq, int64_t K, const float* xs, const float* xsum,
                   const uint8_t* panel, const QuantLayout& L, void* c, int64_t ldc,
                   int64_t cols, const TileEpilogue& ep) {
-  const int64_t G = FixedG > 0 ? FixedG : L.group, sub = Two ? kSuperBlock / FixedG : 1;
-  const int64_t groups = L.groups, vb = kPanel * G * Bits / 8;
-  const bool sym = L.zero > 0.f;
-  const __m512 neg_zero = _mm512_set1_ps(-L.zero);
   __m512 acc[R][kVecs];
   ASERVE_UNROLL for (int r = 0; r < R; ++r)
     ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = _mm512_setzero_ps();
-  const int64_t tables = sym ? 1 : 2, head = Two ? quant_head_bytes(sym, sub) : 0;
+  constexpr int64_t kSubs = Two ? kSuperBlock / FixedG : 1;
+  __m512 gs[kSubs][kVecs], gm[kSubs][kVecs];
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* block = panel + b * L.block_bytes;
-    // two levels: the block's scales and mins, then its groups' int8 sub-scales and sub-mins,
-    // made the groups' float scales and mins here, all at once: read in the middle of the
-    // block's values instead, they break its front-to-back stream, and from memory the tile
-    // ran at half its speed
-    constexpr int64_t kSubs = Two ? kSuperBlock / FixedG : 1;
-    __m512 gs[kSubs][kVecs], gm[kSubs][kVecs];
-    if (Two) {
-      const __m256i* h = reinterpret_cast<const __m256i*>(block);
-      const int8_t* subs = reinterpret_cast<const int8_t*>(block + kQuantScales * tables);
-      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        const __m512 bs = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
-        const __m512 bm = sym ? bs : _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
-        ASERVE_UNROLL for (int64_t j = 0; j < kSubs; ++j) {
-          gs[j][v] = sub_times(subs + j * kPanel, v, bs);
-          if (!sym) gm[j][v] = sub_times(subs + (kSubs + j) * kPanel, v, bm);
-        }
-      }
-    }
-    for (int64_t j = 0; j < sub; ++j) {
-      const int64_t g = b * sub + j;
-      const uint8_t* w = block + head + j * vb;
-      __m512i dot[R][kVecs];
-      group_dots<R, Bits, FixedG>(w, xq + g * G, K, G, dot);
-      __m512 s[kVecs], m[kVecs];
-      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        if (Two) {
-          s[v] = gs[j][v];
-          if (!sym) m[v] = gm[j][v];
-        } else {  // one level: the group's fp16 scales and mins after its values
-          const __m256i* h = reinterpret_cast<const __m256i*>(w + vb);
-          s[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + v));
-          if (!sym) m[v] = _mm512_cvtph_ps(_mm256_loadu_si256(h + kVecs + v));
-        }
-      }
-      ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-        const __m512 a = _mm512_set1_ps(xs[r * groups + g]);
-        const __m512 bsum = _mm512_set1_ps(xsum[r * groups + g]);
-        if (sym) {  // scale * (xs dot - zero xsum): three operations an output vector, not four
-          const __m512 shift = _mm512_mul_ps(neg_zero, bsum);
-          ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-            const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][v]), a, shift);
-            acc[r][v] = _mm512_fmadd_ps(t, s[v], acc[r][v]);
-          }
-          continue;
-        }
-        ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot[r][v]), a);
-          acc[r][v] = _mm512_fmadd_ps(m[v], bsum, _mm512_fmadd_ps(t, s[v], acc[r][v]));
-        }
-      }
-    }
+    if constexpr (Two) block_scales<FixedG>(block, L, gs, gm);
+    block_sums<R, Bits, FixedG, Two>(acc, block, b, L, xq, K, xs, xsum, gs, gm);
   }
   store_tile<R, E>(acc, c, ldc, cols, ep);
 }
+
+// Two levels, more rows than a tile's (a batch's decode): blocks outside, the 4-row tiles
+// inside, so that a block's float scales are made once for all its rows rather than once a
+// tile; the tiles' sums wait in a buffer on the stack between blocks. rows <= kRowBlock.
+template <int R, int Bits, int FixedG>
+static inline void block_rows(__m512 (*sums)[kVecs], const uint8_t* block, int64_t b,
+                              const QuantLayout& L, const int8_t* xq, int64_t K,
+                              const float* xs, const float* xsum, const __m512 (*gs)[kVecs],
+                              const __m512 (*gm)[kVecs]) {
+  __m512 acc[R][kVecs];
+  ASERVE_UNROLL for (int r = 0; r < R; ++r)
+    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = sums[r][v];
+  block_sums<R, Bits, FixedG, true>(acc, block, b, L, xq, K, xs, xsum, gs, gm);
+  ASERVE_UNROLL for (int r = 0; r < R; ++r)
+    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) sums[r][v] = acc[r][v];
+}
+
+template <int R, int E>
+static inline void store_rows(__m512 (*sums)[kVecs], void* c, int64_t ldc, int64_t cols,
+                              const TileEpilogue& ep) {
+  __m512 acc[R][kVecs];
+  ASERVE_UNROLL for (int r = 0; r < R; ++r)
+    ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) acc[r][v] = sums[r][v];
+  store_tile<R, E>(acc, c, ldc, cols, ep);
+}
+
+template <int Bits, int E, int FixedG>
+static void qrows_two(const int8_t* xq, int64_t K, const float* xs, const float* xsum,
+                      const uint8_t* panel, const QuantLayout& L, char* c, int64_t ldc,
+                      int64_t item, int64_t rows, int64_t cols, const TileEpilogue& ep) {
+  alignas(64) __m512 sums[kRowBlock][kVecs];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int v = 0; v < kVecs; ++v) sums[r][v] = _mm512_setzero_ps();
+  __m512 gs[kSuperBlock / FixedG][kVecs], gm[kSuperBlock / FixedG][kVecs];
+  const int64_t groups = L.groups;
+  for (int64_t b = 0; b < L.blocks; ++b) {
+    const uint8_t* block = panel + b * L.block_bytes;
+    block_scales<FixedG>(block, L, gs, gm);
+    for (int64_t m = 0; m < rows; m += kQRows) {
+      const int8_t* x = xq + m * K;
+      const float *a = xs + m * groups, *s = xsum + m * groups;
+      switch (std::min(kQRows, rows - m)) {
+        case 4: block_rows<4, Bits, FixedG>(sums + m, block, b, L, x, K, a, s, gs, gm); break;
+        case 3: block_rows<3, Bits, FixedG>(sums + m, block, b, L, x, K, a, s, gs, gm); break;
+        case 2: block_rows<2, Bits, FixedG>(sums + m, block, b, L, x, K, a, s, gs, gm); break;
+        default: block_rows<1, Bits, FixedG>(sums + m, block, b, L, x, K, a, s, gs, gm);
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows; m += kQRows) {
+    void* out = c + m * ldc * item;
+    switch (std::min(kQRows, rows - m)) {
+      case 4: store_rows<4, E>(sums + m, out, ldc, cols, ep); break;
+      case 3: store_rows<3, E>(sums + m, out, ldc, cols, ep); break;
+      case 2: store_rows<2, E>(sums + m, out, ldc, cols, ep); break;
+      default: store_rows<1, E>(sums + m, out, ldc, cols, ep);
+    }
+  }
+}
+
+using QRows = void (*)(const int8_t*, int64_t, const float*, const float*, const uint8_t*,
+                       const QuantLayout&, char*, int64_t, int64_t, int64_t, int64_t,
+                       const TileEpilogue&);
+#define ASERVE_QROWS(B, G)                                                              \
+  {qrows_two<B, kPlain, G>, qrows_two<B, kGatedSplit, G>, qrows_two<B, kGatedSilu, G>, \
+   qrows_two<B, kPlainFloat, G>}
+// [two levels of 16, of 32][bits: 4, 5, 6, 8][epilogue: gemm.h's first four]
+static const QRows kQRowsTwo[2][4][4] = {
+    {ASERVE_QROWS(4, 16), {nullptr}, ASERVE_QROWS(6, 16), ASERVE_QROWS(8, 16)},
+    {ASERVE_QROWS(4, 32), ASERVE_QROWS(5, 32), ASERVE_QROWS(6, 32), ASERVE_QROWS(8, 32)}};
+#undef ASERVE_QROWS
 
 using QTile = void (*)(const int8_t*, int64_t, const float*, const float*, const uint8_t*,
                        const QuantLayout&, void*, int64_t, int64_t, const TileEpilogue&);
@@ -457,6 +544,13 @@ static void qpanel_rows(const QuantLayout& L, int epilogue, const uint8_t* panel
   if ((L.bits == 5 || L.bits == 6) && rows > kUnpackRows) {
     B = bytes_layout(L);
     panel = unpacked_panel(L, B, panel, call), layout = &B;
+  }
+  const QuantLayout& S = *layout;
+  if (S.sub > 1 && rows > kQRows && rows <= kRowBlock) {  // two levels, many rows
+    const int bits = S.bits == 8 ? 3 : static_cast<int>(S.bits) - 4;
+    kQRowsTwo[S.group == 32][bits][epilogue](xq, K, xs, xsum, panel, S, c, ldc, item, rows,
+                                             cols, ep);
+    return;
   }
   const QTile* tiles = qtiles(*layout, epilogue);
   for (int64_t m = 0; m < rows; m += kQRows)
