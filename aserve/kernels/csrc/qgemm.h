@@ -80,8 +80,9 @@ static void quantize_rows(const at::BFloat16* x, int64_t M, int64_t K, int64_t G
   });
 }
 
-// Bit s of each byte of t at bit 4 (other bits left for an AND with 0x10 to clear): 16-bit
-// shifts, which move no bit 4 across a byte (s <= 4 left by 4 - s, else right by s - 4).
+// Bit s of each byte of t at bit 4, and bit s + 1 at bit 5 (other bits left for an AND with
+// 0x10 or 0x30 to clear): 16-bit shifts, which move neither across a byte (s <= 4 left by
+// 4 - s, else right by s - 4).
 static inline __m512i fifth_bit(__m512i t, int s) {
   return s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4);
 }
@@ -198,41 +199,23 @@ static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, c
       }
     }
   }
-  if (Bits == 5 && R <= 2) {
-    // q = nibble + 16 h: bit s of a top byte (input quad s) moved to bit 4 (16 h, unsigned),
-    // its products added into the nibbles' sums; one 16-bit shift and an AND a part
+  if ((Bits == 5 || Bits == 6) && R <= 2) {
+    // q = nibble + 16 h: the top bits of quad s moved to bit 4 (5 bits) or bits 4-5 (6 bits)
+    // of its byte (16 h, unsigned), so their products add into the nibbles' sums as they are;
+    // one 16-bit shift and an AND a part. A top byte covers 32 inputs (5 bits) or 16 (6 bits).
+    constexpr int64_t kSpan = Bits == 5 ? 32 : 16, kQuads = kSpan / 4;
     const uint8_t* top = w + kPanel * G / 2;
-    const __m512i bit4 = _mm512_set1_epi8(0x10);
-    ASERVE_UNROLL for (int64_t k32 = 0; k32 < G / 32; ++k32) {
+    const __m512i mask = _mm512_set1_epi8(Bits == 5 ? 0x10 : 0x30);
+    ASERVE_UNROLL for (int64_t kt = 0; kt < G / kSpan; ++kt) {
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        const __m512i raw = _mm512_loadu_si512(top + (k32 * kVecs + v) * 64);
-        ASERVE_UNROLL for (int sub = 0; sub < 8; ++sub) {
-          const __m512i part = _mm512_and_si512(fifth_bit(raw, sub), bit4);
+        const __m512i raw = _mm512_loadu_si512(top + (kt * kVecs + v) * 64);
+        ASERVE_UNROLL for (int sub = 0; sub < kQuads; ++sub) {
+          // bit s (5 bits) or bits 2s, 2s + 1 (6 bits) of each byte at bit 4
+          const __m512i part = _mm512_and_si512(fifth_bit(raw, Bits == 5 ? sub : 2 * sub), mask);
           ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 32 * k32);
+            const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + kSpan * kt);
             dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part, _mm512_set1_epi32(xr[sub]));
           }
-        }
-      }
-    }
-  }
-  if (Bits == 6 && R <= 2) {
-    // q = nibble + 16 h: each h moved to bits 4-5 of its byte (16 h, unsigned), so its
-    // products add into the nibbles' sums as they are; one 16-bit shift and an AND a part
-    const uint8_t* top = w + kPanel * G / 2;
-    const __m512i bits45 = _mm512_set1_epi8(0x30);
-    ASERVE_UNROLL for (int64_t k16 = 0; k16 < G / 16; ++k16) {
-      ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
-        const __m512i raw = _mm512_loadu_si512(top + (k16 * kVecs + v) * 64);
-        const __m512i part[4] = {
-            _mm512_and_si512(_mm512_slli_epi16(raw, 4), bits45),
-            _mm512_and_si512(_mm512_slli_epi16(raw, 2), bits45),
-            _mm512_and_si512(raw, bits45),
-            _mm512_and_si512(_mm512_srli_epi16(raw, 2), bits45)};
-        ASERVE_UNROLL for (int r = 0; r < R; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 16 * k16);
-          ASERVE_UNROLL for (int sub = 0; sub < 4; ++sub)
-            dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], part[sub], _mm512_set1_epi32(xr[sub]));
         }
       }
     }
