@@ -87,6 +87,14 @@ static inline __m512i fifth_bit(__m512i t, int s) {
   return s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4);
 }
 
+// Quad s of 32 inputs (5 bits) made a whole byte, nibble | fifth bit << 4: the nibble from n
+// (its low half for an even s, its high half for an odd one), the fifth bit bit s of t.
+static inline __m512i five_bit_quad(__m512i n, __m512i t, int s) {
+  const __m512i low = _mm512_and_si512(s % 2 == 0 ? n : _mm512_srli_epi16(n, 4),
+                                       _mm512_set1_epi8(0x0F));
+  return _mm512_or_si512(low, _mm512_and_si512(fifth_bit(t, s), _mm512_set1_epi8(0x10)));
+}
+
 // The four quads of 16 inputs (6 bits: nibbles n0 = quads 0 | 1 << 4, n1 = quads 2 | 3 << 4,
 // top bits t) made whole bytes, nibble | top << 4: the top bits split once into pairs (t &
 // 0x33, t & 0xCC) shifted so that bits 6-7 of each byte come out 0, then a bit select (low
@@ -118,16 +126,12 @@ static inline __attribute__((always_inline)) void group_dots(const uint8_t* w, c
   if (Bits == 5 && R > 2) {
     // many rows: each quad made whole once (nibble | 16 h), then one dot a row, as for 6 bits
     const uint8_t* top = w + kPanel * G / 2;
-    const __m512i bit4 = _mm512_set1_epi8(0x10);
     ASERVE_UNROLL for (int64_t k32 = 0; k32 < G / 32; ++k32) {
       ASERVE_UNROLL for (int v = 0; v < kVecs; ++v) {
         const __m512i t = _mm512_loadu_si512(top + (k32 * kVecs + v) * 64);
         ASERVE_UNROLL for (int i = 0; i < 4; ++i) {  // nibble bytes k8 = 4 k32 + i: quads 2i, 2i+1
           const __m512i n = _mm512_loadu_si512(w + ((4 * k32 + i) * kVecs + v) * 64);
-          const __m512i q0 = _mm512_or_si512(_mm512_and_si512(n, low4),
-                                             _mm512_and_si512(fifth_bit(t, 2 * i), bit4));
-          const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n, 4), low4),
-                                             _mm512_and_si512(fifth_bit(t, 2 * i + 1), bit4));
+          const __m512i q0 = five_bit_quad(n, t, 2 * i), q1 = five_bit_quad(n, t, 2 * i + 1);
           ASERVE_UNROLL for (int r = 0; r < R; ++r) {
             const int32_t* xr = reinterpret_cast<const int32_t*>(x + r * K + 32 * k32);
             dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], q0, _mm512_set1_epi32(xr[2 * i]));
@@ -440,7 +444,7 @@ static inline QuantLayout bytes_layout(const QuantLayout& L) {
 // One group's values (4, 5 or 6 bits, G inputs) at src as bytes at dst (8-bit layout), both
 // read and written front to back.
 static void unpack_group(const uint8_t* src, int64_t bits, int64_t G, uint8_t* dst) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const uint8_t* top = src + kPanel * G / 2;
   auto nibbles = [&](int64_t k8, int v) {
     return _mm512_loadu_si512(src + (k8 * kVecs + v) * 64);
@@ -473,12 +477,8 @@ static void unpack_group(const uint8_t* src, int64_t bits, int64_t G, uint8_t* d
       for (int v = 0; v < kVecs; ++v) {
         const __m512i t = _mm512_loadu_si512(top + (k32 * kVecs + v) * 64);
         const __m512i n = nibbles(4 * k32 + i, v);
-        for (int half = 0; half < 2; ++half) {  // quad 2 i + half
-          const int s = 2 * static_cast<int>(i) + half;
-          const __m512i low = _mm512_and_si512(half == 0 ? n : _mm512_srli_epi16(n, 4), low4);
-          store(8 * k32 + s, v,
-                _mm512_or_si512(low, _mm512_and_si512(fifth_bit(t, s), bit4)));
-        }
+        for (int s = 2 * static_cast<int>(i); s < 2 * i + 2; ++s)
+          store(8 * k32 + s, v, five_bit_quad(n, t, s));
       }
 }
 
