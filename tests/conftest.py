@@ -155,8 +155,9 @@ def cpu_elementwise_kernels() -> None:
 
 @pytest.fixture(scope="session")
 def cpu_gemm_kernel() -> None:
-    """aserve's AVX512-BF16 GEMM (and the batch-invariant kernels around it) is built."""
+    """aserve's AVX512-BF16 GEMM (and the batch-invariant kernels around it, the fused MoE, the
+    whole-layer call) is built."""
     from aserve.kernels import cpu_gemm
 
-    if not cpu_gemm.available():
+    if not cpu_gemm.avx512():
         pytest.skip("aserve's AVX512-BF16 GEMM is not built here (no AVX512-BF16 or toolchain)")

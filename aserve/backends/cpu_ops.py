@@ -5,14 +5,18 @@
                                         gates
     float32   references (bit-equal HF) references    F.linear              reference    C++ scan
     bfloat16  C++ row tiles (AVX-512),  C++           aserve's AVX512-BF16  C++ over     C++ scan
-              else C++ decode + SDPA                  GEMM, else oneDNN     aserve's GEMM
+              else C++ decode + SDPA                  GEMM, else its AVX2   aserve's GEMM
+                                                      tiles (no oneDNN
+                                                      bf16), else oneDNN
     float16   C++ decode rows + SDPA    references    F.linear              reference    C++ scan
 
 A bfloat16 model loaded from a quantized checkpoint (a GGUF's quant types) keeps its linear
-weights as integers for the AVX512-VNNI int4 / int8 GEMM (`cpu_qgemm`) where the CPU has it,
-inside the same whole-layer calls; elsewhere they are dequantized to bf16 at load.
+weights as integers for the int4 / int8 GEMM (`cpu_qgemm`: AVX512-VNNI, else AVX2 tiles over
+the same layouts), inside the same whole-layer calls where those run; without either, they are
+dequantized to bf16 at load.
 
-bfloat16 also has the whole decoder layer, and a stage's layers, as one C++ call (`cpu_block`).
+bfloat16 also has the whole decoder layer, and a stage's layers, as one C++ call (`cpu_block`;
+the AVX-512 build: AVX2 hosts run the layer's modules over the same packed weights).
 Its fused MoE (`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else
 `fused_moe_ref`.
 Without a C++ compiler every op is its reference, and bfloat16 linears still get oneDNN's
@@ -169,7 +173,8 @@ def _pack_linears(weights: Sequence[LinearToPack]) -> list[PackedLinear | None]:
             packed.append(None)
         elif (int_weight := _int_weight(quantized, refused)) is not None:
             packed.append(QuantPackedWeight(int_weight, gated))
-        elif PackedWeight.supports(weight):
+        elif PackedWeight.supports(weight) and not (cpu_gemm.isa() == "avx2" and _onednn_bf16()):
+            # (AVX-512 CPUs without BF16 keep oneDNN's bf16 GEMM, not AVX2's tiles: unmeasured)
             packed.append(PackedWeight(weight, gated))
         else:
             packed.append(OneDnnLinear(weight) if _onednn_bf16() else None)
@@ -188,7 +193,7 @@ def _int_weight(quantized: Callable[[], IntWeight | None] | None,
     if quantized is None:
         return None
     if not cpu_qgemm.available():
-        refused["no AVX512-VNNI / BF16 build"] += 1
+        refused["no AVX512-VNNI or AVX2 build"] += 1
         return None
     weight = quantized()
     if weight is None:
@@ -206,7 +211,7 @@ def _log_quantized(packed: list[PackedLinear | None]) -> None:
     if not quantized:
         return
     kinds = Counter(p.quantization for p in quantized)
-    logger.info("quantized GEMM (AVX512-VNNI): %d of %d linear weights kept as integers (%s), "
-                "%.1f MB; the rest bf16", len(quantized), len(packed),
+    logger.info("quantized GEMM (%s): %d of %d linear weights kept as integers (%s), "
+                "%.1f MB; the rest bf16", cpu_qgemm.isa().upper(), len(quantized), len(packed),
                 ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())),
                 sum(p.nbytes for p in quantized) / 1e6)

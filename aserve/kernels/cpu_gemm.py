@@ -19,8 +19,13 @@ On CPUs with AMX (Intel Sapphire Rapids and later) the same panels go to the til
 one row (docs/benchmarks/serving-latency.md, "On a Xeon with AMX"). Its results agree with the
 vector tiles' to one bf16 step, most of them bit for bit.
 
+On CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2 and 3, older Xeons) the same panels are read
+by 8-wide tiles (`csrc/gemm_avx2.h`: a k-pair's bf16 words made float32 by a shift and an AND,
+two FMAs a vector; `isa()` says "avx2"); the whole-layer call and the fused MoE stay AVX-512's
+(`avx512()`).
+
 Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
-lacks AVX512-BF16 (the caller then keeps oneDNN or `F.linear`).
+has neither (the caller then keeps oneDNN or `F.linear`).
 """
 
 from __future__ import annotations
@@ -44,8 +49,21 @@ def _module():
     return cpu_extension.load()
 
 
+def isa() -> str:
+    """Which tiles run the packed GEMM here: "avx512" (AVX512-BF16), "avx2" (8-wide tiles over
+    the same panels, `csrc/gemm_avx2.h`), or "" (none)."""
+    module = _module()
+    return "" if module is None else module.gemm_isa()
+
+
 def available() -> bool:
-    """Whether this CPU build has the AVX512-BF16 GEMM."""
+    """Whether packed bf16 linears run here (`PackedWeight`), on either ISA's tiles."""
+    return isa() != ""
+
+
+def avx512() -> bool:
+    """Whether this build has the AVX512-BF16 GEMM, which the C++ beyond single linears (the
+    whole decoder layer's call, the fused MoE) is built on."""
     module = _module()
     return module is not None and module.gemm_supported()
 

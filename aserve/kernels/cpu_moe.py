@@ -82,7 +82,7 @@ class CpuFusedMoE:
                 and hidden % 2 == 0 and (two_i // 2) % 2 == 0 and num_experts > 0
                 and (w13_bias is None or w13_bias.shape == (num_experts, two_i))
                 and (w2_bias is None or w2_bias.shape == (num_experts, hidden))
-                and activation in ACTIVATIONS and cpu_gemm.available())
+                and activation in ACTIVATIONS and cpu_gemm.avx512())
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:

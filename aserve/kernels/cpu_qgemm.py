@@ -11,9 +11,11 @@ a third of bf16's bytes (4 bits + 32 bits of scale and min a group of 32), int8 
 
 `reference` is the kernel's torch twin: the same activation quantization, bit for bit, and the
 same integer sums, combined per group in float32 (the kernel fuses multiply-adds, so the two
-agree to float32 rounding before the output's one bf16 rounding). Where the CPU lacks
-AVX512-VNNI or AVX512-BF16 (`available()` False), quantized weights are dequantized to bf16 at
-load instead (`backends.cpu_ops`).
+agree to float32 rounding before the output's one bf16 rounding). CPUs with AVX2 but not
+AVX512-VNNI and -BF16 run the same layouts by 8-wide tiles (`csrc/qgemm_avx2.h`: `vpmaddubsw`
+pairs in int16, `vpmaddwd` into int32, the same integer sums; `isa()` "avx2"). Where the CPU
+has neither (`available()` False), quantized weights are dequantized to bf16 at load instead
+(`backends.cpu_ops`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,21 @@ def _module():
     return cpu_extension.load()
 
 
+def isa() -> str:
+    """Which tiles run the integer GEMM here: "avx512" (AVX512-VNNI and -BF16), "avx2"
+    (`csrc/qgemm_avx2.h`, the same layouts), or "" (none)."""
+    module = _module()
+    return "" if module is None else module.qgemm_isa()
+
+
 def available() -> bool:
-    """Whether this CPU build has the VNNI weight-only GEMM."""
+    """Whether quantized linears run here as integers (`QuantPackedWeight`), on either ISA."""
+    return isa() != ""
+
+
+def vnni() -> bool:
+    """Whether this build has the AVX512-VNNI GEMM, which the MoE's one C++ call
+    (`csrc/qmoe.h`) is built on."""
     module = _module()
     return module is not None and module.qgemm_supported()
 
@@ -204,7 +219,8 @@ class QuantFusedMoE:
 
     def _one_call(self) -> bool:
         """Whether `csrc/qmoe.h` takes these experts."""
-        return (self.activation == "silu" and self.w13_bias is None and self.w2_bias is None
+        return (vnni() and self.activation == "silu" and self.w13_bias is None
+                and self.w2_bias is None
                 and all(w.perm is None for w in (*self.w13, *self.w2))
                 and all(len({w.data.shape for w in packs}) == 1
                         for packs in (self.w13, self.w2)))

@@ -15,7 +15,7 @@ from aserve.kernels.cpu_qgemm import QuantPackedWeight, quantize_activations, re
 from aserve.quantization.int_weights import IntWeight, SuperBlocks
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(),
-                                reason="the CPU or build lacks AVX512-VNNI / BF16")
+                                reason="the CPU or build lacks AVX512-VNNI and AVX2")
 
 
 def int_weight(rows: int, cols: int, group: int, bits: int, seed: int = 0) -> IntWeight:

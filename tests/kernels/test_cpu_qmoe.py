@@ -16,7 +16,7 @@ from aserve.kernels.moe import fused_moe_ref
 from aserve.quantization.int_weights import IntWeight
 
 pytestmark = pytest.mark.skipif(not cpu_qgemm.available(),
-                                reason="the CPU or build lacks AVX512-VNNI / BF16")
+                                reason="the CPU or build lacks AVX512-VNNI and AVX2")
 
 
 def int_weight(rows: int, cols: int, group: int, bits: int, g: torch.Generator) -> IntWeight:
@@ -44,6 +44,7 @@ CASES = [  # experts, hidden, intermediate, group, bits, tokens, k
     (6, 256, 128, 128, 4, 9, 4), (5, 112, 64, 16, 8, 130, 1)]
 
 
+@pytest.mark.skipif(not cpu_qgemm.vnni(), reason="the one call is AVX512-VNNI's")
 @pytest.mark.parametrize("num, hidden, inter, group, bits, tokens, k", CASES)
 def test_one_call_is_the_loop(num, hidden, inter, group, bits, tokens, k):
     w13, w2 = experts(num, hidden, inter, group, bits)

@@ -247,7 +247,7 @@ def gemm_tiles(request):
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
-        pytest.skip("no AVX512-BF16 build here")
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
     if request.param == "amx" and not cpu_gemm.amx():
         pytest.skip("no AMX tiles here")
     cpu_gemm.amx(request.param == "amx")
@@ -264,7 +264,7 @@ def test_cpu_gemm_matches_float32_matmul_to_one_bf16_step(rows, out_features, in
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
-        pytest.skip("no AVX512-BF16 build here")
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
     gen = torch.Generator().manual_seed(rows * out_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -280,7 +280,7 @@ def test_cpu_gemm_keeps_leading_dims_and_reads_strided_rows(gemm_tiles):
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
-        pytest.skip("no AVX512-BF16 build here")
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
     w = torch.randn(40, 64).bfloat16()
     x = torch.randn(3, 5, 128).bfloat16()[..., :64]  # strided rows
     got = cpu_gemm.PackedWeight(w).linear(x)
@@ -295,7 +295,7 @@ def test_cpu_gemm_float_output_is_the_bf16_result_widened(rows, out_features, in
     from aserve.kernels import cpu_gemm
 
     if not cpu_gemm.available():
-        pytest.skip("no AVX512-BF16 build here")
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -314,7 +314,7 @@ def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, 
     from aserve.kernels import cpu_elementwise, cpu_gemm
 
     if not cpu_gemm.available():
-        pytest.skip("no AVX512-BF16 build here")
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
     gen = torch.Generator().manual_seed(rows + d)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     w = (torch.randn(2 * d, in_features, generator=gen) * 0.1).bfloat16()  # [gate; up]

@@ -40,10 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ASERVE_DEF(swiglu_oai_and_mul);
   ASERVE_DEF(argmax_rows);
   ASERVE_DEF(gemm_supported);
+  ASERVE_DEF(gemm_isa);
   ASERVE_DEF(gemm_amx);
   ASERVE_DEF(gemm_pack);
   ASERVE_DEF(gemm_linear);
   ASERVE_DEF(qgemm_supported);
+  ASERVE_DEF(qgemm_isa);
   ASERVE_DEF(qgemm_pack);
   ASERVE_DEF(qgemm_rows);
   ASERVE_DEF(qgemm_linear);

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "activation.h"
 #include "simd.h"
@@ -128,6 +129,19 @@ static LinearCall linear_call(const char* name, const torch::Tensor& x, int64_t 
                                                 epilogue == kPlainFloat ? at::kFloat
                                                                         : at::kBFloat16));
   return call;
+}
+
+#ifdef ASERVE_AMX
+static thread_local int amx_rows = 0;  // the C and A tiles' rows this thread configured; 0: none
+#endif
+
+// The end of a thread's share of panel_rows calls: its tile state is given back (a thread
+// holding it saves 8 KB more at every context switch). Every build has it (moe.h's task loop
+// calls it); without AMX it does nothing.
+static inline void panel_rows_done() {
+#ifdef ASERVE_AMX
+  if (amx_rows != 0) _tile_release(), amx_rows = 0;
+#endif
 }
 
 #ifdef ASERVE_GEMM
@@ -257,8 +271,6 @@ struct alignas(64) AmxConfig {
   }
 };
 
-static thread_local int amx_rows = 0;  // the C and A tiles' rows this thread configured; 0: none
-
 static inline void amx_configure(int m) {
   if (amx_rows == m) return;
   const AmxConfig config(m);
@@ -339,13 +351,6 @@ static inline void panel_rows(int epilogue, bool amx, const at::BFloat16* a, int
   vector_panel_rows(kTiles[epilogue], a, M, K, panel, c, ldc, item, cols, ep);
 }
 
-// The end of a thread's share of panel_rows calls: its tile state is given back (a thread
-// holding it saves 8 KB more at every context switch).
-static inline void panel_rows_done() {
-#ifdef ASERVE_AMX
-  if (amx_rows != 0) _tile_release(), amx_rows = 0;
-#endif
-}
 
 // Every (panel, 64-row block) task of a call over the threads, panel-major (a thread reuses a
 // panel from L2 across row blocks): run(p, m0, rows, cols, ep), ep's bias the panel's (bias:
@@ -390,6 +395,21 @@ bool gemm_amx(int64_t mode) {
   return use_amx(32);
 }
 
+// AVX2 hosts: the same panels by 8-wide tiles (defines ASERVE_GEMM_AVX2 where they build).
+#include "gemm_avx2.h"
+
+// Which tiles run gemm_linear here: "avx512" (AVX512-BF16), "avx2", or "" (none: the caller
+// keeps oneDNN or F.linear).
+std::string gemm_isa() {
+#if defined(ASERVE_GEMM)
+  return "avx512";
+#elif defined(ASERVE_GEMM_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 // y = x [M, K] @ W^T for the packed W [N, K] (x contiguous bf16): epilogue 0 (kPlain),
 // y [M, N] (+ bias [N]); 3 (kPlainFloat), the same bf16 values as float32 (logits: whole lines
 // go out with streaming stores, since a [64, 49152] float32 output fits no cache); for a
@@ -397,7 +417,7 @@ bool gemm_amx(int64_t mode) {
 // silu(gate) * up.
 torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                           c10::optional<torch::Tensor> bias, int64_t epilogue) {
-  TORCH_CHECK(gemm_supported(), "cpu_gemm.linear: built without AVX512-BF16");
+  TORCH_CHECK(!gemm_isa().empty(), "cpu_gemm.linear: built without AVX512-BF16 or AVX2");
   const LinearCall call = linear_call("cpu_gemm.linear", x, packed.size(0), N, bias, epilogue);
   const int64_t K = call.K, K2 = K / 2, ldc = call.ldc;
   TORCH_CHECK(packed.size(1) == K2, "cpu_gemm.linear: shapes");
@@ -414,6 +434,18 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                         panel_rows(epilogue, amx, a + m0 * K, rows, K, w + p * K2 * kPanel * 2,
                                    c + (m0 * ldc + p * call.width) * item, ldc, item, cols, ep);
                       });
+#elif defined(ASERVE_GEMM_AVX2)
+  const at::BFloat16* a = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
+  char* c = static_cast<char*>(call.y.data_ptr());
+  const int64_t item = call.y.element_size();
+  for_each_panel_task_avx2(
+      call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+      [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
+        bf16_panel_rows_avx2(static_cast<int>(epilogue), a + m0 * K, rows, K,
+                             w + p * K2 * kPanel * 2, c + (m0 * ldc + p * call.width) * item,
+                             ldc, item, cols, ep);
+      });
 #endif
   return call.y;
 }

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gemm.h"
@@ -548,11 +549,26 @@ static inline uint64_t next_qgemm_call() {
 }
 #endif
 
+// AVX2 hosts: the same layouts by 8-wide tiles (defines ASERVE_QGEMM_AVX2 where they build).
+#include "qgemm_avx2.h"
+
+// Which tiles run qgemm_linear here: "avx512" (AVX512-VNNI and -BF16), "avx2", or "" (none:
+// quantized weights are dequantized at load).
+std::string qgemm_isa() {
+#if defined(ASERVE_QGEMM)
+  return "avx512";
+#elif defined(ASERVE_QGEMM_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 // gemm_linear's contract for a packed quantized weight: y = x [M, K] @ W^T, epilogue 0 (plain,
 // + bias), 3 (float32 of the bf16 values), or for a gated pack 1 ([gate | up]) or 2 (SiLU).
 torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                            c10::optional<torch::Tensor> bias, int64_t epilogue) {
-  TORCH_CHECK(qgemm_supported(), "cpu_qgemm.linear: built without AVX512-VNNI and BF16");
+  TORCH_CHECK(!qgemm_isa().empty(), "cpu_qgemm.linear: built without AVX512-VNNI or AVX2");
   const LinearCall call = linear_call("cpu_qgemm.linear", x, packed.size(0), N, bias,
                                       epilogue);
   const int64_t M = call.M, K = call.K, ldc = call.ldc;
@@ -581,6 +597,28 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
                     c + (m0 * ldc + p * call.width) * item, ldc, item, cols, ep);
       });
   if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);  // a long prompt's
+#elif defined(ASERVE_QGEMM_AVX2)
+  // as above, with the activations' int32 sums a group too (the 8-bit tiles' sign trick)
+  static thread_local std::vector<int64_t> scratch;
+  const int64_t floats = 3 * M * L.groups, words = (M * K + 7) / 8 + (floats + 1) / 2;
+  if (static_cast<int64_t>(scratch.size()) < words) scratch.resize(words);
+  float* scales = reinterpret_cast<float*>(scratch.data());
+  float* sums = scales + M * L.groups;
+  int32_t* isum = reinterpret_cast<int32_t*>(sums + M * L.groups);
+  int8_t* a = reinterpret_cast<int8_t*>(scratch.data() + (floats + 1) / 2);
+  quantize_rows_avx2(x.data_ptr<at::BFloat16>(), M, K, L.group, a, scales, sums, isum);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  char* c = static_cast<char*>(call.y.data_ptr());
+  const int64_t item = call.y.element_size(), panel_bytes = L.blocks * L.block_bytes;
+  for_each_panel_task_avx2(
+      call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
+      [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
+        const int64_t o = m0 * L.groups;
+        qpanel_rows_avx2(L, static_cast<int>(epilogue), w + p * panel_bytes, a + m0 * K, K,
+                         scales + o, sums + o, isum + o, rows,
+                         c + (m0 * ldc + p * call.width) * item, ldc, item, cols, ep);
+      });
+  if (words > (int64_t{1} << 22)) std::vector<int64_t>().swap(scratch);
 #endif
   return call.y;
 }
