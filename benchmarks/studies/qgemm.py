@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.layers, args.rounds = 2, 2
     if not cpu_qgemm.available():
-        print(json.dumps({"benchmark": "qgemm", "skipped": "no AVX512-VNNI / BF16 build"}))
+        print(json.dumps({"benchmark": "qgemm", "skipped": "no AVX512-VNNI or AVX2 build"}))
         return 0
     gen = torch.Generator().manual_seed(0)
     shapes = SHAPES[args.shape] * args.layers

@@ -130,6 +130,47 @@ static inline __attribute__((always_inline)) void group_dots_avx2(
       dot[r] = _mm256_add_epi32(dot[r], _mm256_set1_epi32(128 * isum[r * groups]));
 }
 
+// One row (decode): the int32 sums dot[v] of one group for all 6 output vectors at once, so
+// that the group's bytes are read front to back (a vector at a time over the whole group read
+// them 192 bytes apart, which streamed from memory at two thirds of the speed) and each quad
+// of x is broadcast once.
+template <int Bits, int FixedG>
+static inline __attribute__((always_inline)) void row_dots_avx2(
+    const uint8_t* w, const int8_t* x, int32_t isum, int64_t group, __m256i (&dot)[kYmms]) {
+  using U = QuadUnit<Bits>;
+  const int64_t G = FixedG > 0 ? FixedG : group;
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i part[kYmms];
+  ASERVE_UNROLL for (int v = 0; v < kYmms; ++v)
+    dot[v] = _mm256_setzero_si256(), part[v] = _mm256_setzero_si256();
+  ASERVE_UNROLL for (int64_t u = 0; u < G / (4 * U::kQuads); ++u) {
+    ASERVE_UNROLL for (int s = 0; s < U::kQuads; ++s) {
+      const int64_t kq = u * U::kQuads + s;
+      const __m256i xb = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x + 4 * kq));
+      ASERVE_UNROLL for (int v = 0; v < kYmms; ++v) {
+        const __m256i q = unit_quad<Bits>(w, G, u, v, s);
+        if (Bits == 8) {
+          const __m256i qs = _mm256_xor_si256(q, flip);
+          dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                                                _mm256_abs_epi8(qs), _mm256_sign_epi8(xb, qs)),
+                                                                ones));
+        } else {
+          part[v] = _mm256_add_epi16(part[v], _mm256_maddubs_epi16(q, xb));
+        }
+      }
+      if (Bits != 8 && ((kq + 1) % U::kChunk == 0 || kq + 1 == G / 4)) {
+        ASERVE_UNROLL for (int v = 0; v < kYmms; ++v) {
+          dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(part[v], ones));
+          part[v] = _mm256_setzero_si256();
+        }
+      }
+    }
+  }
+  if (Bits == 8)
+    ASERVE_UNROLL for (int v = 0; v < kYmms; ++v)
+      dot[v] = _mm256_add_epi32(dot[v], _mm256_set1_epi32(128 * isum));
+}
+
 // sums[0:R, :] = rows [0, R) of x (quantized: xq stride K; xs / xsum / isum stride L.groups)
 // @ one packed panel of layout L.
 template <int R, int Bits, int FixedG>
@@ -145,6 +186,8 @@ static void qtile_avx2(const int8_t* xq, int64_t K, const float* xs, const float
   alignas(32) float gs[kSuperBlock / 16][kPanel], gm[kSuperBlock / 16][kPanel];
   for (int64_t b = 0; b < L.blocks; ++b) {
     const uint8_t* block = panel + b * L.block_bytes;
+    for (int64_t line = 0; line < L.block_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + L.block_bytes + line), _MM_HINT_T0);
     if (two) {  // the block's groups' float scales (and mins), made once from its tables
       const __m128i* h = reinterpret_cast<const __m128i*>(block);
       const int8_t* subs = reinterpret_cast<const int8_t*>(block + kQuantScales * (sym ? 1 : 2));
@@ -165,9 +208,12 @@ static void qtile_avx2(const int8_t* xq, int64_t K, const float* xs, const float
       const int64_t g = b * L.sub + j;
       const uint8_t* w = block + head + j * L.value_bytes;
       const __m128i* h = reinterpret_cast<const __m128i*>(w + L.value_bytes);  // one level
-      for (int v = 0; v < kYmms; ++v) {
+      __m256i row[kYmms];  // one row: every vector's sums at once
+      if constexpr (R == 1) row_dots_avx2<Bits, FixedG>(w, xq + g * G, isum[g], G, row);
+      ASERVE_UNROLL for (int v = 0; v < kYmms; ++v) {
         __m256i dot[R];
-        group_dots_avx2<R, Bits, FixedG>(w, xq + g * G, isum + g, groups, K, G, v, dot);
+        if constexpr (R == 1) dot[0] = row[v];
+        else group_dots_avx2<R, Bits, FixedG>(w, xq + g * G, isum + g, groups, K, G, v, dot);
         const __m256 s = two ? _mm256_load_ps(gs[j] + 8 * v) : _mm256_cvtph_ps(_mm_loadu_si128(h + v));
         __m256 m = s;
         if (!sym) m = two ? _mm256_load_ps(gm[j] + 8 * v) : _mm256_cvtph_ps(_mm_loadu_si128(h + kYmms + v));
