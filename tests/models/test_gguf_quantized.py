@@ -55,7 +55,8 @@ def test_the_fast_path_keeps_integers_and_scores_as_the_float_reference(
                    if getattr(m, "packed_weight", None) is not None)
     layer = model_of(fast).model.layers[0]
     if getattr(layer.self_attn, "q_norm", None) is None:  # (qwen3's q/k norms run in Python)
-        assert CpuDecoderBlock.of(layer) is not None  # the whole-layer C++ call takes them
+        # the whole-layer C++ call takes them (AVX-512's; AVX2 runs the modules)
+        assert (CpuDecoderBlock.of(layer) is not None) == cpu_qgemm.vnni()
     fast.engine_core.shutdown()
     # int8 activations in groups cost about what bf16 activations do, never a broken weight's
     # error (a weight's rows or groups misplaced moves these log-probabilities by whole nats)
@@ -127,7 +128,9 @@ def test_experts_keep_their_integers_too(model_dir_factory, tmp_path, arch, qtyp
     experts = [m for m in model_of(fast).modules() if isinstance(m, FusedMoE)]
     assert experts and all(isinstance(m._run, QuantFusedMoE) for m in experts)
     if qtype.endswith("_K"):  # (the experts' packs in two levels, in the one C++ call)
-        assert all(m._run.stacked is not None and m._run.w13[0].two_levels for m in experts)
+        assert all(m._run.w13[0].two_levels for m in experts)
+        # (the one call is AVX512-VNNI's; AVX2 runs the experts' loop over the same packs)
+        assert all((m._run.stacked is not None) == cpu_qgemm.vnni() for m in experts)
     assert all(m.w13_weight.numel() == 0 for m in experts)  # no float copy kept
     fast.engine_core.shutdown()
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)

@@ -239,8 +239,9 @@ def test_the_integer_form_is_the_dequantized_weight(model_dir_factory, tmp_path,
 @pytest.mark.parametrize("case", INTEGER_CASES)
 def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path, case):
     """In bf16, GPTQ (act-order too: its inputs gathered in group order first) / AWQ /
-    compressed-tensors int weights stay as integers for the VNNI GEMM and score text as the
-    float reference does, in the whole-layer call (act-order: its inputs gathered there)."""
+    compressed-tensors int weights stay as integers for the integer GEMM and score text as the
+    float reference does, in the whole-layer call where the build has it (act-order: its
+    inputs gathered there)."""
     from helpers.parity import scores_as_reference
 
     from aserve.backends.cpu_block import CpuDecoderBlock
@@ -258,7 +259,7 @@ def test_integer_checkpoints_run_on_the_integer_gemm(model_dir_factory, tmp_path
     whole_layer = CpuDecoderBlock.of(layer)
     fast.engine_core.shutdown()
     assert kinds == {QuantPackedWeight}
-    assert whole_layer is not None
+    assert (whole_layer is not None) == cpu_qgemm.vnni()  # (AVX2: the modules)
     assert error < max(4 * bf16_error, 0.02), (error, bf16_error)
 
 
