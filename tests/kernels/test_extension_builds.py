@@ -1,0 +1,56 @@
+"""The C++ extension compiles for CPUs other than this one: code outside an instruction set's
+`#ifdef` that names something only that block defines breaks every other host's build, and
+then aserve silently runs its torch references there (it happened: every AVX2-only host lost
+every C++ kernel). A syntax-only compile (templates instantiated, no code generated) per
+target, ~1 minute each on 2 cores: the default suite checks the AVX2 build (x86-64-v3: AMD Zen
+2 / 3, the portable tiles of gemm_avx2.h / qgemm_avx2.h) where this host builds AVX-512, and
+the rest are `slow`."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from aserve.kernels import cpu_extension, cpu_gemm
+
+TARGETS = {
+    "avx2": ["-march=x86-64-v3"],  # AVX2 + FMA + F16C, no AVX-512
+    "avx512-no-bf16": ["-march=skylake-avx512"],  # AVX-512 attention, AVX2 GEMM tiles
+    "amx": ["-march=sapphirerapids"],  # AVX512-BF16 / VNNI GEMMs and AMX tiles
+    "scalar": ["-march=x86-64"],  # no AVX at all: every kernel's scalar loop
+}
+
+
+def compile_for(flags: list[str]) -> subprocess.CompletedProcess:
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-isystem{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    return subprocess.run(
+        ["g++", "-fsyntax-only", "-std=c++20", "-fopenmp", *flags,
+         "-DTORCH_EXTENSION_NAME=syntax_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+         f"-I{cpu_extension.CSRC}", *includes, str(cpu_extension.TRANSLATION_UNIT)],
+        capture_output=True, text=True, timeout=600)
+
+
+def _skip_unless_x86_gxx() -> None:
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ on Linux")
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+
+
+@pytest.mark.parametrize("target", [
+    pytest.param(t, marks=() if t == "avx2" else pytest.mark.slow) for t in TARGETS])
+def test_the_extension_compiles_for(target):
+    _skip_unless_x86_gxx()
+    if target == "avx2" and cpu_gemm.isa() == "avx2":
+        pytest.skip("this host's own build is the AVX2 one")
+    done = compile_for(TARGETS[target])
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 0, "\n".join(errors[:20]) or done.stderr[-4000:]
