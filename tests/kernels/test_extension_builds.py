@@ -54,3 +54,25 @@ def test_the_extension_compiles_for(target):
     done = compile_for(TARGETS[target])
     errors = [line for line in done.stderr.splitlines() if "error" in line]
     assert done.returncode == 0, "\n".join(errors[:20]) or done.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_avx2_tiles_pass_the_gemm_tests_on_an_avx512_host():
+    """Where this host builds AVX-512, the AVX2 tiles never run in the suite: build them
+    (ASERVE_CPU_CFLAGS' -march comes after -march=native, so it wins) and run the GEMM tests
+    against them in a process of their own (~3 minutes)."""
+    import os
+
+    _skip_unless_x86_gxx()
+    if cpu_gemm.isa() != "avx512":
+        pytest.skip("this host's own build is not the AVX-512 one")
+    env = {**os.environ, cpu_extension.EXTRA_CFLAGS_ENV: "-march=x86-64-v3"}
+    code = ("from aserve.kernels import cpu_gemm, cpu_qgemm; "
+            "assert cpu_gemm.isa() == cpu_qgemm.isa() == 'avx2', cpu_gemm.isa()")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "tests/kernels/test_cpu_qgemm.py", "tests/kernels/test_kernels_cpu.py", "-k", "gemm"],
+        env=env, capture_output=True, text=True, timeout=1800,
+        cwd=cpu_extension.CSRC.parents[2])
+    assert done.returncode == 0, done.stdout[-4000:]
