@@ -56,12 +56,15 @@ def make_files(source: Path, venv: Path, types: tuple[str, ...] = MADE) -> list[
         "p.ftype = getattr(llama_cpp, 'LLAMA_FTYPE_MOSTLY_' + name)\n"
         "p.allow_requantize = True\n"
         "sys.exit(llama_cpp.llama_model_quantize(src.encode(), out.encode(), p))\n")
+    quantize = venv / "bin" / "llama-quantize"  # install.sh builds it; else llama_cpp's
     made = []
     for name in types:
         out = source.with_name(f"{source.name.split('.')[0]}.{name}.gguf")
         if not out.exists():
-            subprocess.run([str(venv / "bin" / "python"), "-c", code, str(source), str(out),
-                            name], check=True, capture_output=True, timeout=1800)
+            command = ([str(quantize), "--allow-requantize", str(source), str(out), name]
+                       if quantize.exists() else
+                       [str(venv / "bin" / "python"), "-c", code, str(source), str(out), name])
+            subprocess.run(command, check=True, capture_output=True, timeout=1800)
         made.append(out)
     return made
 

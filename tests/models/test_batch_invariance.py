@@ -17,7 +17,7 @@ import pytest
 
 from aserve import LLM, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # skips where it is not built
+pytestmark = pytest.mark.usefixtures("cpu_layer_kernel")  # skips where it is not built
 
 PROMPT_LENS = [5, 17, 31, 40, 64, 70]
 NUM_NEW = 24

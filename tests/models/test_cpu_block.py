@@ -16,7 +16,7 @@ from aserve import LLM, SamplingParams
 from aserve.backends import CpuPlatform, cpu_block
 from aserve.kernels import cpu_attention
 
-pytestmark = pytest.mark.usefixtures("cpu_gemm_kernel")  # skips where it is not built
+pytestmark = pytest.mark.usefixtures("cpu_layer_kernel")  # skips where it is not built
 
 
 def _run(model_dir, prompts, params) -> list:

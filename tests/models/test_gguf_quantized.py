@@ -55,8 +55,7 @@ def test_the_fast_path_keeps_integers_and_scores_as_the_float_reference(
                    if getattr(m, "packed_weight", None) is not None)
     layer = model_of(fast).model.layers[0]
     if getattr(layer.self_attn, "q_norm", None) is None:  # (qwen3's q/k norms run in Python)
-        # the whole-layer C++ call takes them (AVX-512's; AVX2 runs the modules)
-        assert (CpuDecoderBlock.of(layer) is not None) == cpu_qgemm.vnni()
+        assert CpuDecoderBlock.of(layer) is not None  # the whole-layer C++ call takes them
     fast.engine_core.shutdown()
     # int8 activations in groups cost about what bf16 activations do, never a broken weight's
     # error (a weight's rows or groups misplaced moves these log-probabilities by whole nats)

@@ -33,7 +33,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "attention_tiles.h"
@@ -189,9 +191,79 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
 }
 #endif
 
-// Whether attend_rows runs here for q [T, Hq, D] (bf16, head_dim % 16 == 0, AVX-512).
+#if !defined(ASERVE_AVX512) && defined(__AVX2__)
+#define ASERVE_ROWS_PORTABLE 1
+// The same tasks without AVX-512 (AVX2 hosts, whose whole-layer call needs them): per (tile,
+// kv head) task, each row and query head in turn, float32 throughout, loops the compiler
+// vectorizes (`omp simd`): scores q k * scale (soft-capped), a softmax over the row's own keys
+// (and its sink), the weighted values in float32, one rounding to bf16. A row's sums run in
+// the same order whatever tile it lands in, so rows stay batch-invariant.
+static void attend_tiles_portable(const at::BFloat16* q, const at::BFloat16* kc,
+                                  const at::BFloat16* vc, const int32_t* table,
+                                  const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
+                                  int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                                  int64_t table_stride, int64_t q_stride, float scale,
+                                  int64_t window, float soft_cap, const float* sinks) {
+  const int64_t group = hq / hkv, num_tasks = num_tiles * hkv;
+  std::atomic<int64_t> claimed{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qf(d), acc(d), scores;
+    std::vector<int64_t> offs;
+    for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
+      const int64_t* tile = tiles + 4 * (task / hkv);
+      const int64_t h = task % hkv, r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
+      const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
+      const int32_t* blocks = table + r * table_stride;
+      offs.resize(n);
+      scores.resize(n);
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t key = first + t;
+        offs[t] = ((static_cast<int64_t>(blocks[key / bs]) * bs + key % bs) * hkv + h) * d;
+      }
+      for (int64_t j = 0; j < rows; ++j) {
+        const int64_t len = len0 + j;
+        const int64_t a = (window > 0 ? std::max<int64_t>(0, len - window) : 0) - first;
+        const int64_t e = len - first;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = h * group + g;
+          const at::BFloat16* qj = q + (row0 + j) * q_stride + head * d;
+          for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(qj[i]) * scale;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t t = a; t < e; ++t) {
+            const at::BFloat16* k = kc + offs[t];
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < d; ++i) sum += qf[i] * static_cast<float>(k[i]);
+            if (soft_cap > 0.f) sum = soft_cap * std::tanh(sum / soft_cap);
+            scores[t] = sum;
+            top = std::max(top, sum);
+          }
+          if (sinks) top = std::max(top, sinks[head]);
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float total = sinks ? std::exp(sinks[head] - top) : 0.f;
+          for (int64_t t = a; t < e; ++t) {
+            const float p = std::exp(scores[t] - top);
+            total += p;
+            const at::BFloat16* v = vc + offs[t];
+            float* o = acc.data();
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) o[i] += p * static_cast<float>(v[i]);
+          }
+          const float inv = 1.f / total;
+          at::BFloat16* dst = out + ((row0 + j) * hq + head) * d;
+          for (int64_t i = 0; i < d; ++i) dst[i] = at::BFloat16(acc[i] * inv);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// Whether attend_rows runs here for q [T, Hq, D] (bf16, head_dim % 16 == 0; AVX-512's tiles,
+// or the portable tasks on AVX2).
 bool rows_supported(torch::Tensor q) {
-#ifdef ASERVE_AVX512
+#if defined(ASERVE_AVX512) || defined(ASERVE_ROWS_PORTABLE)
   return q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0 &&
          q.size(2) <= 256;
 #else
@@ -219,6 +291,13 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                     q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
                     q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap),
                     sink_logits);
+#elif defined(ASERVE_ROWS_PORTABLE)
+  attend_tiles_portable(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                        v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
+                        tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
+                        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                        block_table.size(1), q.stride(0), static_cast<float>(scale), window,
+                        static_cast<float>(soft_cap), sink_logits);
 #endif
 }
 
