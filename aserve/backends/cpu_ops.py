@@ -4,9 +4,9 @@
     dtype     attention                 norms, RoPE,  linears               fused MoE    argmax
                                         gates
     float32   references (bit-equal HF) references    F.linear              reference    C++ scan
-    bfloat16  C++ row tiles (AVX-512),  C++           aserve's AVX512-BF16  C++ over     C++ scan
-              else C++ decode + SDPA                  GEMM, else its AVX2   aserve's GEMM
-                                                      tiles (no oneDNN
+    bfloat16  C++ row tiles (AVX-512;   C++           aserve's AVX512-BF16  C++ over     C++ scan
+              AVX2: float32 tasks),                   GEMM, else its AVX2   aserve's GEMM
+              else C++ decode + SDPA                  tiles (no oneDNN      (AVX-512)
                                                       bf16), else oneDNN
     float16   C++ decode rows + SDPA    references    F.linear              reference    C++ scan
 
@@ -16,7 +16,7 @@ the same layouts), inside the same whole-layer calls where those run; without ei
 dequantized to bf16 at load.
 
 bfloat16 also has the whole decoder layer, and a stage's layers, as one C++ call (`cpu_block`;
-the AVX-512 build: AVX2 hosts run the layer's modules over the same packed weights).
+AVX-512 or AVX2 builds).
 Its fused MoE (`cpu_moe.CpuFusedMoE`) needs the AVX512-BF16 build and even H and I, else
 `fused_moe_ref`.
 Without a C++ compiler every op is its reference, and bfloat16 linears still get oneDNN's

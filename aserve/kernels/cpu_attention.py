@@ -23,8 +23,10 @@ sum of values on pairs of keys, its sums in registers) is the register tiles of
 `csrc/attention_tiles.h`. Threads claim tasks one at a time, costliest first (`plan_tiles`
 orders them). `benchmarks/studies/attention.py` times it (docs/benchmarks/throughput.md,
 "Seventh and eighth runs").
-Where the kernel does not apply (fp16, no AVX-512, head_dim % 16), `cpu_attention_forward` is
-`store_kv_ref` + `paged_attention_cpu`.
+On AVX2 hosts (no AVX-512) the same tasks run in float32 loops the compiler vectorizes
+(`attend_tiles_portable`: float32 probabilities, one bf16 rounding of each output), so the
+whole-layer call runs there too. Where neither applies (fp16, head_dim % 16, no AVX2),
+`cpu_attention_forward` is `store_kv_ref` + `paged_attention_cpu`.
 """
 
 from __future__ import annotations
