@@ -12,9 +12,10 @@
 // 2 x 128 x 127), and the int32 sum gets 128 sum(xq) back, so the integer sums, and from them
 // the float epilogue, are the AVX-512 tiles' exactly.
 //
-// A tile of R rows walks a group's quads one output vector at a time (its int16 and int32 sums
-// R registers each), the float sums of 48 outputs across groups in acc[R][6]; the epilogue is
-// gemm_avx2.h's store_sums.
+// One row (decode) reads a group front to back, all 6 output vectors at once (row_dots_avx2),
+// the next block prefetched; two rows walk a group one output vector at a time (their int16
+// and int32 sums 2 registers each). The float sums of 48 outputs across groups are acc[R][6];
+// the epilogue is gemm_avx2.h's store_sums.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -43,7 +44,8 @@ static void quantize_rows_avx2(const at::BFloat16* x, int64_t M, int64_t K, int6
     for (int64_t task = begin; task < end; ++task) {
       const at::BFloat16* src = x + task * G;
       __m256 amax = _mm256_setzero_ps();
-      for (int64_t k = 0; k < G; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load(src + k)));
+      for (int64_t k = 0; k < G; k += 8)
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load(src + k)));
       alignas(32) float lanes[8];
       _mm256_store_ps(lanes, amax);
       const float top = *std::max_element(lanes, lanes + 8);
@@ -53,7 +55,8 @@ static void quantize_rows_avx2(const at::BFloat16* x, int64_t M, int64_t K, int6
       for (int64_t k = 0; k < G; k += 8) {
         const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load(src + k), vinv));
         sum = _mm256_add_epi32(sum, v);
-        const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        const __m128i w =
+            _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(xq + task * G + k), _mm_packs_epi16(w, w));
       }
       alignas(32) int32_t s[8];
@@ -81,7 +84,9 @@ struct QuadUnit {
 // the AND drops what crosses a byte).
 template <int Bits>
 static inline __m256i unit_quad(const uint8_t* w, int64_t G, int64_t u, int v, int s) {
-  auto at = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto at = [](const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  };
   if (Bits == 8) return at(w + (u * kYmms + v) * 32);
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i n = at(w + ((u * QuadUnit<Bits>::kQuads + s) / 2 * kYmms + v) * 32);
@@ -214,9 +219,12 @@ static void qtile_avx2(const int8_t* xq, int64_t K, const float* xs, const float
         __m256i dot[R];
         if constexpr (R == 1) dot[0] = row[v];
         else group_dots_avx2<R, Bits, FixedG>(w, xq + g * G, isum + g, groups, K, G, v, dot);
-        const __m256 s = two ? _mm256_load_ps(gs[j] + 8 * v) : _mm256_cvtph_ps(_mm_loadu_si128(h + v));
+        const __m256 s = two ? _mm256_load_ps(gs[j] + 8 * v)
+                             : _mm256_cvtph_ps(_mm_loadu_si128(h + v));
         __m256 m = s;
-        if (!sym) m = two ? _mm256_load_ps(gm[j] + 8 * v) : _mm256_cvtph_ps(_mm_loadu_si128(h + kYmms + v));
+        if (!sym)
+          m = two ? _mm256_load_ps(gm[j] + 8 * v)
+                  : _mm256_cvtph_ps(_mm_loadu_si128(h + kYmms + v));
         ASERVE_UNROLL for (int r = 0; r < R; ++r) {
           const __m256 a = _mm256_set1_ps(xs[r * groups + g]);
           const __m256 bsum = _mm256_set1_ps(xsum[r * groups + g]);
@@ -241,7 +249,8 @@ using QTileAvx2 = void (*)(const int8_t*, int64_t, const float*, const float*, c
 constexpr int64_t kQRowsAvx2 = 2;  // rows a tile
 #define ASERVE_QTILES_AVX2(B, G) {qtile_avx2<1, B, G>, qtile_avx2<2, B, G>}
 #define ASERVE_QTILES_AVX2_G(G) \
-  {ASERVE_QTILES_AVX2(4, G), ASERVE_QTILES_AVX2(5, G), ASERVE_QTILES_AVX2(6, G), ASERVE_QTILES_AVX2(8, G)}
+  {ASERVE_QTILES_AVX2(4, G), ASERVE_QTILES_AVX2(5, G), ASERVE_QTILES_AVX2(6, G), \
+   ASERVE_QTILES_AVX2(8, G)}
 // [group: any, 16, 32][bits: 4, 5, 6, 8][rows - 1] (5 bits: groups of 32 alone, which the
 // layout checks; the others are never called)
 static const QTileAvx2 kQTilesAvx2[3][4][kQRowsAvx2] = {
