@@ -21,8 +21,8 @@ vector tiles' to one bf16 step, most of them bit for bit.
 
 On CPUs with AVX2 but not AVX512-BF16 (AMD Zen 2 and 3, older Xeons) the same panels are read
 by 8-wide tiles (`csrc/gemm_avx2.h`: a k-pair's bf16 words made float32 by a shift and an AND,
-two FMAs a vector; `isa()` says "avx2"); the whole-layer call and the fused MoE stay AVX-512's
-(`avx512()`).
+two FMAs a vector; `isa()` says "avx2"), inside the whole-layer call as AVX-512's are; the
+fused MoE stays AVX-512's (`avx512()`).
 
 Built on first use (`cpu_extension.load`); `available()` is False where the CPU or compiler
 has neither (the caller then keeps oneDNN or `F.linear`).
@@ -62,10 +62,9 @@ def available() -> bool:
 
 
 def avx512() -> bool:
-    """Whether this build has the AVX512-BF16 GEMM, which the C++ beyond single linears (the
-    whole decoder layer's call, the fused MoE) is built on."""
-    module = _module()
-    return module is not None and module.gemm_supported()
+    """Whether this build has the AVX512-BF16 GEMM, which the fused MoE's C++ (`moe.h`) is
+    built on."""
+    return isa() == "avx512"
 
 
 def amx(enabled: bool | None = None) -> bool:

@@ -47,8 +47,7 @@ def available() -> bool:
 def vnni() -> bool:
     """Whether this build has the AVX512-VNNI GEMM, which the MoE's one C++ call
     (`csrc/qmoe.h`) is built on."""
-    module = _module()
-    return module is not None and module.qgemm_supported()
+    return isa() == "avx512"
 
 
 def storage_bits(bits: int, group: int) -> int:

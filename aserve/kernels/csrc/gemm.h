@@ -144,6 +144,31 @@ static inline void panel_rows_done() {
 #endif
 }
 
+// Every (panel, 64-row block) task of a call over the threads, panel-major (a thread reuses a
+// panel from L2 across row blocks): run(p, m0, rows, cols, ep), ep's bias the panel's (bias:
+// nullptr for none). Each thread's share ends by giving back its tile state and fencing
+// kPlainFloat's streaming stores (AVX-512's), so they are visible before the caller reads them.
+// Every build's tiles (gemm_avx2.h's too) share it.
+template <typename Run>
+static void for_each_panel_task(const LinearCall& call, int64_t panels,
+                                const at::BFloat16* bias, Run&& run) {
+  const int64_t blocks = (call.M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
+    TileEpilogue ep;
+    ep.d = call.d;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
+      ep.bias = bias == nullptr ? nullptr : bias + p * kPanel;
+      run(p, m0, std::min(kRowBlock, call.M - m0),
+          std::min(call.width, call.outputs - p * call.width), ep);
+    }
+    panel_rows_done();
+#ifdef ASERVE_GEMM
+    _mm_sfence();
+#endif
+  });
+}
+
 #ifdef ASERVE_GEMM
 
 // The R x 48 float sums of a tile into `out`. kPlain: columns [0, cols) (+ bias) as bf16;
@@ -352,27 +377,6 @@ static inline void panel_rows(int epilogue, bool amx, const at::BFloat16* a, int
 }
 
 
-// Every (panel, 64-row block) task of a call over the threads, panel-major (a thread reuses a
-// panel from L2 across row blocks): run(p, m0, rows, cols, ep), ep's bias the panel's (bias:
-// nullptr for none). Each thread's share ends by giving back its tile state and fencing
-// kPlainFloat's streaming stores, so they are visible before the caller reads them.
-template <typename Run>
-static void for_each_panel_task(const LinearCall& call, int64_t panels,
-                                const at::BFloat16* bias, Run&& run) {
-  const int64_t blocks = (call.M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    TileEpilogue ep;
-    ep.d = call.d;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
-      ep.bias = bias == nullptr ? nullptr : bias + p * kPanel;
-      run(p, m0, std::min(kRowBlock, call.M - m0),
-          std::min(call.width, call.outputs - p * call.width), ep);
-    }
-    panel_rows_done();
-    _mm_sfence();
-  });
-}
 #endif
 
 // Whether GEMMs over K go to the AMX tiles: wherever the CPU has them, at every row count (a
@@ -439,7 +443,7 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   char* c = static_cast<char*>(call.y.data_ptr());
   const int64_t item = call.y.element_size();
-  for_each_panel_task_avx2(
+  for_each_panel_task(
       call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
       [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
         bf16_panel_rows_avx2(static_cast<int>(epilogue), a + m0 * K, rows, K,

@@ -69,24 +69,6 @@ static void store_sums(int epilogue, const float (*sums)[kPanel], int64_t R, voi
   }
 }
 
-// Every (panel, 64-row block) task of a call over the threads, panel-major, as gemm.h's
-// for_each_panel_task: run(p, m0, rows, cols, ep).
-template <typename Run>
-static void for_each_panel_task_avx2(const LinearCall& call, int64_t panels,
-                                     const at::BFloat16* bias, Run&& run) {
-  const int64_t blocks = (call.M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, panels * blocks, 1, [&](int64_t begin, int64_t end) {
-    TileEpilogue ep;
-    ep.d = call.d;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t p = task / blocks, m0 = (task % blocks) * kRowBlock;
-      ep.bias = bias == nullptr ? nullptr : bias + p * kPanel;
-      run(p, m0, std::min(kRowBlock, call.M - m0),
-          std::min(call.width, call.outputs - p * call.width), ep);
-    }
-  });
-}
-
 // sums[0:R, 8 v0 : 8 (v0 + V)] = a[0:R, :] (stride lda) @ vectors [v0, v0 + V) of a bf16 panel.
 template <int R, int V>
 static inline void bf16_tile_avx2(const at::BFloat16* a, int64_t lda, const at::BFloat16* panel,

@@ -610,7 +610,7 @@ torch::Tensor qgemm_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const uint8_t* w = packed.data_ptr<uint8_t>();
   char* c = static_cast<char*>(call.y.data_ptr());
   const int64_t item = call.y.element_size(), panel_bytes = L.blocks * L.block_bytes;
-  for_each_panel_task_avx2(
+  for_each_panel_task(
       call, packed.size(0), bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr,
       [&](int64_t p, int64_t m0, int64_t rows, int64_t cols, const TileEpilogue& ep) {
         const int64_t o = m0 * L.groups;
