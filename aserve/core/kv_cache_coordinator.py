@@ -52,6 +52,8 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(group, pool, group_id)
             for group_id, group in enumerate(groups)]
+        # Every group keeps all its blocks: then `covers` can tell that a request needs nothing
+        self._all_full = all(isinstance(m, FullAttentionManager) for m in self.managers)
 
     @property
     def num_groups(self) -> int:
@@ -112,6 +114,23 @@ class KVCacheCoordinator:
             for manager in self.managers:
                 manager.cache_blocks(request, num_tokens)
         return new_blocks
+
+    def covers(self, req_id: str, num_tokens: int) -> bool:
+        """Whether `req_id`'s blocks in every (full-attention) group already cover
+        `num_tokens` tokens and none of those tokens fills a block not registered yet: then
+        `allocate_slots` would change nothing (a decode inside its last block: most requests
+        of most steps), and `KVCacheManager.allocate_slots` skips it. (Its hashes may then lag
+        behind; whoever reads them extends them first.)"""
+        if not self._all_full:
+            return False
+        num_full = num_tokens // self.block_size
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(req_id)
+            if (blocks is None or len(blocks) * self.block_size < num_tokens
+                    or (self.pool.enable_caching
+                        and num_full > manager.num_cached_blocks.get(req_id, 0))):
+                return False
+        return True
 
     def cache_loaded_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """A KV connector has loaded the request's blocks up to `num_computed_tokens`: null

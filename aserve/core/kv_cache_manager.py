@@ -98,6 +98,9 @@ class KVCacheManager:
         """
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
                       + num_external_tokens)
+        if new_computed_blocks is None and self.coordinator.covers(request.request_id,
+                                                                   num_tokens):
+            return tuple([[] for _ in range(self.coordinator.num_groups)])  # nothing to do
         is_new = not self.coordinator.holds(request.request_id)
         new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
                                                      delay_cache_blocks=num_external_tokens > 0)

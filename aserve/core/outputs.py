@@ -15,7 +15,7 @@ positions are outside every window, so attention never reads them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from aserve.core.kv_connector import KVConnectorOutput
 from aserve.pooling_params import PoolingParams
@@ -35,8 +35,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # a pooling request's (the engine's defaults in)
 
 
-@dataclass(frozen=True)
-class CachedRequestData:
+class CachedRequestData(NamedTuple):  # a tuple: one a running request a step, built fast
     req_id: str
     new_block_ids: tuple[list[int], ...]  # per group: appended to the runner's tables
     num_computed_tokens: int

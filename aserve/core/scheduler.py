@@ -351,12 +351,17 @@ class Scheduler:
                                   runner_output.forward_seconds)
         for req_id, vector in runner_output.pooler_output.items():
             outputs += self._finish_pooled(req_id, vector)
+        # (per request, per step: what does not change is looked up once)
+        requests, max_model_len = self.requests, self.config.max_model_len
+        running = RequestStatus.RUNNING
+        all_prompt_logprobs, all_logprobs = runner_output.prompt_logprobs, runner_output.logprobs
+        all_drafts = scheduler_output.scheduled_spec_decode_tokens
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(req_id)
+            if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
                 prompt_logprobs = self._drop_resent_prompt_logprobs(
                     request, prompt_logprobs, scheduler_output.num_computed_before(req_id))
@@ -367,18 +372,19 @@ class Scheduler:
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             new_token_ids = self._verified_tokens(
-                request, scheduler_output.scheduled_spec_decode_tokens.get(req_id),
+                request, all_drafts.get(req_id) if all_drafts else None,
                 runner_output.num_accepted_drafts.get(req_id, 0), token_id)
             kv_transfer_params, appended = None, 0
             for new_token_id in new_token_ids:
-                request.append_output_token_ids([new_token_id])
+                request.append_output_token_ids((new_token_id,))
                 appended += 1
-                if request.check_stop(new_token_id, self.config.max_model_len):
+                if request.check_stop(new_token_id, max_model_len):
                     self.running.remove(request)
                     kv_transfer_params = self._free(request)
                     break
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids[:appended], runner_output.logprobs.get(req_id),
+                req_id, new_token_ids if appended == len(new_token_ids)
+                else new_token_ids[:appended], all_logprobs.get(req_id) if all_logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
             if (self.proposer is not None and not request.is_finished
