@@ -23,8 +23,9 @@ sum of values on pairs of keys, its sums in registers) is the register tiles of
 `csrc/attention_tiles.h`. Threads claim tasks one at a time, costliest first (`plan_tiles`
 orders them). `benchmarks/studies/attention.py` times it (docs/benchmarks/throughput.md,
 "Seventh and eighth runs").
-On AVX2 hosts (no AVX-512) the same tasks run in float32 loops the compiler vectorizes
-(`attend_tiles_portable`: float32 probabilities, one bf16 rounding of each output), so the
+On AVX2 hosts (no AVX-512) the same tasks run 8 lanes wide in float32 (`attend_tiles_avx2`:
+each K / V row made float once for the G query heads, K and V fetched 16 keys ahead, exp8,
+float32 probabilities, one bf16 rounding of each output), so the
 whole-layer call runs there too. Where neither applies (fp16, head_dim % 16, no AVX2),
 `cpu_attention_forward` is `store_kv_ref` + `paged_attention_cpu`.
 """
@@ -48,7 +49,7 @@ ROW_TILE = 8  # query rows of one request that share a task (and each K/V row re
 # "On a Xeon with AMX".
 SDPA_MIN_ROWS = 32
 SDPA_MIN_WORK = 32 * 1024
-# On AVX2-only hosts the row tasks are float32 loops (`attend_tiles_portable`), and SDPA takes
+# On AVX2-only hosts the row tasks are float32 (`attend_tiles_avx2`), and SDPA takes
 # long chunks as on AMX: a 1,024-token smol prompt's first token 5.8 s -> 3.4 s (Zen 3).
 SDPA_FOR_LONG_CHUNKS = (bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
                         or torch.backends.cpu.get_cpu_capability() == "AVX2")

@@ -191,68 +191,108 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
 }
 #endif
 
-#if !defined(ASERVE_AVX512) && defined(__AVX2__)
-#define ASERVE_ROWS_PORTABLE 1
-// The same tasks without AVX-512 (AVX2 hosts, whose whole-layer call needs them): per (tile,
-// kv head) task, each row and query head in turn, float32 throughout, loops the compiler
-// vectorizes (`omp simd`): scores q k * scale (soft-capped), a softmax over the row's own keys
-// (and its sink), the weighted values in float32, one rounding to bf16. A row's sums run in
-// the same order whatever tile it lands in, so rows stay batch-invariant.
-static void attend_tiles_portable(const at::BFloat16* q, const at::BFloat16* kc,
-                                  const at::BFloat16* vc, const int32_t* table,
-                                  const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
-                                  int64_t hq, int64_t hkv, int64_t d, int64_t bs,
-                                  int64_t table_stride, int64_t q_stride, float scale,
-                                  int64_t window, float soft_cap, const float* sinks) {
-  const int64_t group = hq / hkv, num_tasks = num_tiles * hkv;
+#ifdef ASERVE_AVX2
+// The same tasks on AVX2 hosts (whose whole-layer call needs them): per (tile, kv head) task,
+// each row in turn, float32 throughout, 8 lanes wide. A key's row is made float once and
+// serves the G query heads (scores q k * scale, soft-capped); each head's softmax runs over
+// the row's own keys (and its sink) in vectors of 8 from its first key, exp8; a value's row
+// is made float once and added into the G heads' float sums; one rounding to bf16. A row's
+// sums run in the same order whatever tile it lands in, so rows stay batch-invariant.
+constexpr int64_t kAheadAvx2 = 16;  // keys fetched ahead of the score pass
+
+static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
+                              const at::BFloat16* vc, const int32_t* table,
+                              const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
+                              int64_t hq, int64_t hkv, int64_t d, int64_t bs,
+                              int64_t table_stride, int64_t q_stride, float scale,
+                              int64_t window, float soft_cap, const float* sinks) {
+  const int64_t group = hq / hkv, num_tasks = num_tiles * hkv, nv = d / 8;
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> qf(d), acc(d), scores;
+    std::vector<__m256> qf(group * nv), acc(group * nv), row(nv);
+    std::vector<float> scores;  // [group][n rounded up to 8]
     std::vector<int64_t> offs;
     for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
       const int64_t* tile = tiles + 4 * (task / hkv);
       const int64_t h = task % hkv, r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
       const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
+      const int64_t stride = (n + 7) / 8 * 8;
       const int32_t* blocks = table + r * table_stride;
       offs.resize(n);
-      scores.resize(n);
+      scores.resize(group * stride);
       for (int64_t t = 0; t < n; ++t) {
         const int64_t key = first + t;
         offs[t] = ((static_cast<int64_t>(blocks[key / bs]) * bs + key % bs) * hkv + h) * d;
       }
+      const __m256 scaled = _mm256_set1_ps(scale);
       for (int64_t j = 0; j < rows; ++j) {
         const int64_t len = len0 + j;
         const int64_t a = (window > 0 ? std::max<int64_t>(0, len - window) : 0) - first;
-        const int64_t e = len - first;
+        const int64_t e = len - first, count = e - a;
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = h * group + g;
-          const at::BFloat16* qj = q + (row0 + j) * q_stride + head * d;
-          for (int64_t i = 0; i < d; ++i) qf[i] = static_cast<float>(qj[i]) * scale;
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t t = a; t < e; ++t) {
-            const at::BFloat16* k = kc + offs[t];
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t i = 0; i < d; ++i) sum += qf[i] * static_cast<float>(k[i]);
+          const at::BFloat16* qj = q + (row0 + j) * q_stride + (h * group + g) * d;
+          for (int64_t i = 0; i < nv; ++i)
+            qf[g * nv + i] = _mm256_mul_ps(load8_bf16(qj + 8 * i), scaled);
+        }
+        for (int64_t t = a; t < e; ++t) {  // scores, each head's from index a of its row
+          const at::BFloat16* k = kc + offs[t];
+          if (t + kAheadAvx2 < e) {  // scattered rows: fetch K and V ahead
+            const int64_t ahead = offs[t + kAheadAvx2];
+            for (int64_t b = 0; b < d; b += 32) {
+              _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + b), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + b), _MM_HINT_T1);
+            }
+          }
+          for (int64_t i = 0; i < nv; ++i) row[i] = load8_bf16(k + 8 * i);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m256* qg = qf.data() + g * nv;
+            __m256 s0 = _mm256_mul_ps(qg[0], row[0]), s1 = _mm256_mul_ps(qg[1], row[1]);
+            for (int64_t i = 2; i < nv; i += 2) {
+              s0 = _mm256_fmadd_ps(qg[i], row[i], s0);
+              s1 = _mm256_fmadd_ps(qg[i + 1], row[i + 1], s1);
+            }
+            float sum = sum8(_mm256_add_ps(s0, s1));
             if (soft_cap > 0.f) sum = soft_cap * std::tanh(sum / soft_cap);
-            scores[t] = sum;
-            top = std::max(top, sum);
+            scores[g * stride + t - a] = sum;
           }
+        }
+        for (int64_t g = 0; g < group; ++g) {  // probabilities, unnormalized, and their total
+          const int64_t head = h * group + g;
+          float* s = scores.data() + g * stride;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < count; ++t) top = std::max(top, s[t]);
           if (sinks) top = std::max(top, sinks[head]);
-          std::fill(acc.begin(), acc.end(), 0.f);
-          float total = sinks ? std::exp(sinks[head] - top) : 0.f;
-          for (int64_t t = a; t < e; ++t) {
-            const float p = std::exp(scores[t] - top);
-            total += p;
-            const at::BFloat16* v = vc + offs[t];
-            float* o = acc.data();
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) o[i] += p * static_cast<float>(v[i]);
+          const __m256 m = _mm256_set1_ps(top);
+          __m256 total = _mm256_setzero_ps();
+          int64_t t = 0;
+          for (; t + 8 <= count; t += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+            _mm256_storeu_ps(s + t, p);
+            total = _mm256_add_ps(total, p);
           }
-          const float inv = 1.f / total;
-          at::BFloat16* dst = out + ((row0 + j) * hq + head) * d;
-          for (int64_t i = 0; i < d; ++i) dst[i] = at::BFloat16(acc[i] * inv);
+          float sum = sum8(total);
+          for (; t < count; ++t) sum += (s[t] = std::exp(s[t] - top));
+          if (sinks) sum += std::exp(sinks[head] - top);
+          qf[g * nv] = _mm256_set1_ps(1.f / sum);  // (q is spent: its slot holds 1 / total)
+        }
+        std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+        for (int64_t t = a; t < e; ++t) {  // weighted values
+          const at::BFloat16* v = vc + offs[t];
+          for (int64_t i = 0; i < nv; ++i) row[i] = load8_bf16(v + 8 * i);
+          for (int64_t g = 0; g < group; ++g) {
+            const __m256 p = _mm256_set1_ps(scores[g * stride + t - a]);
+            __m256* o = acc.data() + g * nv;
+            for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_fmadd_ps(p, row[i], o[i]);
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          alignas(32) float y[8];
+          at::BFloat16* dst = out + ((row0 + j) * hq + h * group + g) * d;
+          for (int64_t i = 0; i < nv; ++i) {
+            _mm256_store_ps(y, _mm256_mul_ps(acc[g * nv + i], qf[g * nv]));
+            for (int k = 0; k < 8; ++k) dst[8 * i + k] = at::BFloat16(y[k]);
+          }
         }
       }
     }
@@ -261,9 +301,9 @@ static void attend_tiles_portable(const at::BFloat16* q, const at::BFloat16* kc,
 #endif
 
 // Whether attend_rows runs here for q [T, Hq, D] (bf16, head_dim % 16 == 0; AVX-512's tiles,
-// or the portable tasks on AVX2).
+// or the AVX2 tasks).
 bool rows_supported(torch::Tensor q) {
-#if defined(ASERVE_AVX512) || defined(ASERVE_ROWS_PORTABLE)
+#if defined(ASERVE_AVX512) || defined(ASERVE_AVX2)
   return q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.size(2) % 16 == 0 &&
          q.size(2) <= 256;
 #else
@@ -291,13 +331,13 @@ void attend_rows(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                     q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
                     q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap),
                     sink_logits);
-#elif defined(ASERVE_ROWS_PORTABLE)
-  attend_tiles_portable(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                        v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
-                        tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
-                        q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
-                        block_table.size(1), q.stride(0), static_cast<float>(scale), window,
-                        static_cast<float>(soft_cap), sink_logits);
+#elif defined(ASERVE_AVX2)
+  attend_tiles_avx2(q.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                    v_cache.data_ptr<at::BFloat16>(), block_table.data_ptr<int32_t>(),
+                    tiles.data_ptr<int64_t>(), tiles.size(0), out.data_ptr<at::BFloat16>(),
+                    q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_table.size(1),
+                    q.stride(0), static_cast<float>(scale), window, static_cast<float>(soft_cap),
+                    sink_logits);
 #endif
 }
 

@@ -13,7 +13,15 @@
 //   tail_mask(n) / word_mask(n)          the first min(n, 16) float / min(n, 32) bf16 lanes
 //   sum16(v)                             16 vectors -> the vector of their 16 horizontal sums
 //
-// Without AVX-512 the kernels keep their scalar loops, which the compiler may vectorize itself.
+// Where it targets AVX2 + FMA but not AVX-512, defines ASERVE_AVX2 and the 8-wide twins the
+// AVX2 kernels share (attention_rows.h's row tasks):
+//
+//   load8_bf16(p)    8 bf16 -> __m256 (exact)
+//   exp8(x)          exp16's polynomial; 2^n by the exponent field, x clamped to
+//                    [-87.3, 88.3] (e^x below that is the least normal float, not 0)
+//   sum8(v)          the horizontal sum of one vector
+//
+// Otherwise the kernels keep their scalar loops, which the compiler may vectorize itself.
 #pragma once
 
 #include <torch/extension.h>
@@ -127,5 +135,39 @@ static inline __m512 tanh16(__m512 x) {
       _mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
   const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+#endif
+
+#if !defined(ASERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
+#define ASERVE_AVX2 1
+#include <immintrin.h>
+
+static inline __m256 load8_bf16(const at::BFloat16* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+static inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(f, f), f), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                       _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));  // n in [-126, 127]: 2^n is normal
 }
 #endif
