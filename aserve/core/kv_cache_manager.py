@@ -100,7 +100,7 @@ class KVCacheManager:
                       + num_external_tokens)
         if new_computed_blocks is None and self.coordinator.covers(request.request_id,
                                                                    num_tokens):
-            return tuple([[] for _ in range(self.coordinator.num_groups)])  # nothing to do
+            return self.coordinator.empty_blocks()  # nothing to do: no new block ids
         is_new = not self.coordinator.holds(request.request_id)
         new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
                                                      delay_cache_blocks=num_external_tokens > 0)

@@ -383,8 +383,8 @@ class Scheduler:
                     kv_transfer_params = self._free(request)
                     break
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids if appended == len(new_token_ids)
-                else new_token_ids[:appended], all_logprobs.get(req_id) if all_logprobs else None,
+                req_id, new_token_ids[:appended],
+                all_logprobs.get(req_id) if all_logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
             if (self.proposer is not None and not request.is_finished

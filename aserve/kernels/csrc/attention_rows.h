@@ -210,7 +210,7 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<__m256> qf(group * nv), acc(group * nv), row(nv);
-    std::vector<float> scores;  // [group][n rounded up to 8]
+    std::vector<float> scores, inv(group);  // scores [group][n rounded up to 8]
     std::vector<int64_t> offs;
     for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
       const int64_t* tile = tiles + 4 * (task / hkv);
@@ -274,7 +274,7 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
           float sum = sum8(total);
           for (; t < count; ++t) sum += (s[t] = std::exp(s[t] - top));
           if (sinks) sum += std::exp(sinks[head] - top);
-          qf[g * nv] = _mm256_set1_ps(1.f / sum);  // (q is spent: its slot holds 1 / total)
+          inv[g] = 1.f / sum;
         }
         std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
         for (int64_t t = a; t < e; ++t) {  // weighted values
@@ -289,8 +289,9 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
         for (int64_t g = 0; g < group; ++g) {
           alignas(32) float y[8];
           at::BFloat16* dst = out + ((row0 + j) * hq + h * group + g) * d;
+          const __m256 scale_g = _mm256_set1_ps(inv[g]);
           for (int64_t i = 0; i < nv; ++i) {
-            _mm256_store_ps(y, _mm256_mul_ps(acc[g * nv + i], qf[g * nv]));
+            _mm256_store_ps(y, _mm256_mul_ps(acc[g * nv + i], scale_g));
             for (int k = 0; k < 8; ++k) dst[8 * i + k] = at::BFloat16(y[k]);
           }
         }
