@@ -328,6 +328,26 @@ def test_cpu_gemm_gated_pack_is_bit_equal_to_plain_gemm_then_silu_and_mul(rows, 
     assert torch.equal(fused, cpu_elementwise.silu_and_mul_ref(gate_up))
 
 
+def test_cpu_gemm_fused_silu_is_torchs_over_every_finite_bf16_gate(gemm_tiles):
+    """One-hot rows make each gate_up sum one weight exactly, so the 65,536 gates of a
+    [256, 256] gate half are every bf16 value (infinities and NaNs left out), in order along
+    each row (a vector's lanes hold neighbouring values): the fused epilogue's vector silu
+    (exp8 / exp16) is torch's bf16 silu(gate) * up to the bit, the gates below -88 (where
+    exp8 clamps) included."""
+    from aserve.kernels import cpu_elementwise, cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("no packed GEMM build here (AVX512-BF16 or AVX2)")
+    gates = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gates = torch.where(gates.float().isfinite(), gates, torch.zeros_like(gates))
+    up = (torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) + 1).bfloat16()
+    w = torch.cat([gates.reshape(256, 256).t(), up])  # [gate; up] x 256 in_features
+    x = torch.eye(256).bfloat16()
+    gate_up = cpu_gemm.PackedWeight(w).linear(x)
+    assert torch.equal(gate_up, w.t())  # each sum is the one weight
+    fused = cpu_gemm.PackedWeight(w, gated=True).silu_and_mul(x)
+    assert torch.equal(fused, cpu_elementwise.silu_and_mul_ref(gate_up))
+
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 65, 200])
 def test_amx_tiles_agree_with_the_vector_tiles_row_by_row(rows):
     """AMX rounds its sums its own way (most outputs bit-equal to the vector tiles', some one

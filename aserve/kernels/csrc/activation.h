@@ -22,11 +22,22 @@
 // The float nearest bf16 value (round to nearest even): the scalar twin of round_bf16(__m512).
 static inline float round_bf16(float x) { return static_cast<float>(at::BFloat16(x)); }
 
+// Below this gate exp8 (clamped at 88.3) no longer gives silu's float result.
+constexpr float kSiluExact8 = -88.f;
+
 struct SiluMul {
 #ifdef ASERVE_AVX512
   __m512 operator()(__m512 g, __m512 u) const {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     return _mm512_mul_ps(round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e))), u);
+  }
+#endif
+#ifdef ASERVE_YMM
+  // 8 lanes, as the AVX-512 form; for a gate under kSiluExact8 exp8's clamp would change the
+  // result, and callers take the scalar form for such lanes.
+  __m256 operator()(__m256 g, __m256 u) const {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(round8_bf16(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e))), u);
   }
 #endif
   float operator()(float g, float u) const { return round_bf16(g / (1.f + std::exp(-g))) * u; }

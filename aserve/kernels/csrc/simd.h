@@ -13,10 +13,13 @@
 //   tail_mask(n) / word_mask(n)          the first min(n, 16) float / min(n, 32) bf16 lanes
 //   sum16(v)                             16 vectors -> the vector of their 16 horizontal sums
 //
-// Where it targets AVX2 + FMA but not AVX-512, defines ASERVE_AVX2 and the 8-wide twins the
-// AVX2 kernels share (attention_rows.h's row tasks):
+// Where it targets AVX2 + FMA, defines ASERVE_YMM and the 8-wide twins the AVX2 kernels share
+// (attention_rows.h's row tasks, gemm_avx2.h's tiles, which also build on AVX-512 hosts without
+// AVX512-BF16), and where it does not also target AVX-512, ASERVE_AVX2 (the kernels' choice):
 //
 //   load8_bf16(p)    8 bf16 -> __m256 (exact)
+//   store8_bf16(p, x) / round8_bf16(x)   store_bf16 / round_bf16's rounding, 8 lanes (NaN
+//                    stays NaN), bit for bit at::BFloat16(float)'s
 //   exp8(x)          exp16's polynomial; 2^n by the exponent field, x clamped to
 //                    [-87.3, 88.3] (e^x below that is the least normal float, not 0)
 //   sum8(v)          the horizontal sum of one vector
@@ -138,13 +141,33 @@ static inline __m512 tanh16(__m512 x) {
 }
 #endif
 
-#if !defined(ASERVE_AVX512) && defined(__AVX2__) && defined(__FMA__)
-#define ASERVE_AVX2 1
+#if defined(__AVX2__) && defined(__FMA__)
+#define ASERVE_YMM 1
 #include <immintrin.h>
 
 static inline __m256 load8_bf16(const at::BFloat16* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+// Round-to-nearest-even float -> bf16 bits in the low half of each 32-bit lane (NaN: 0x7FC0).
+static inline __m256i bf16_bits8(__m256 x) {
+  const __m256i i = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+}
+
+static inline __m256 round8_bf16(__m256 x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
+}
+
+static inline void store8_bf16(at::BFloat16* p, __m256 x) {
+  const __m256i bits = bf16_bits8(x);  // packed within each 128-bit half, then halves joined
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
 }
 
 static inline float sum8(__m256 v) {
@@ -170,4 +193,8 @@ static inline __m256 exp8(__m256 x) {
                                                        _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));  // n in [-126, 127]: 2^n is normal
 }
+#endif
+
+#if !defined(ASERVE_AVX512) && defined(ASERVE_YMM)
+#define ASERVE_AVX2 1
 #endif
