@@ -124,20 +124,25 @@ class Request:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
 
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """Set a finished status when `token_id`, just appended, ends the request; return
         whether it did. EOS and stop tokens count only from `min_tokens` on."""
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        num_output = len(self.output_token_ids)
+        if num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
-        elif (self.num_output_tokens < self.sampling_params.min_tokens
-              and self.grammar is None):
-            return False  # (a constrained request samples a stop token this early only when
-            # its grammar has ended: nothing else may follow, and it ends there)
-        elif token_id in self.stop_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            if self.sampling_params.ignore_eos or token_id not in self.eos_token_ids:
-                self.stop_reason = token_id  # a stop token, not EOS
-        return self.is_finished
+            return True
+        if token_id not in self.stop_token_ids or (
+                num_output < self.sampling_params.min_tokens and self.grammar is None):
+            return False  # (a constrained request samples a stop token before min_tokens
+            # only when its grammar has ended: nothing else may follow, and it ends there)
+        self.status = RequestStatus.FINISHED_STOPPED
+        if self.sampling_params.ignore_eos or token_id not in self.eos_token_ids:
+            self.stop_reason = token_id  # a stop token, not EOS
+        return True
 
     def sort_key(self) -> tuple[int, float]:
         """Priority order: lower `priority` first, then earlier arrival."""

@@ -150,6 +150,7 @@ class Scheduler:
             self._schedule_loaded(plan)
             self._schedule_waiting(plan)
         output = self._make_output(plan)
+        output.num_decode_tokens = plan.num_decodes
         output.draft_model_runs = bool(self.num_lookahead) and self._drafting_pays()
         for req_id, num_tokens in plan.num_scheduled.items():
             request = self.requests[req_id]
@@ -161,8 +162,6 @@ class Scheduler:
             drafts = request.spec_token_ids
             if drafts:  # (trimmed to what the step gives: _schedule_running)
                 output.scheduled_spec_decode_tokens[req_id] = list(drafts)
-            if not is_prefill(request, request.num_computed_tokens, num_tokens):
-                output.num_decode_tokens += 1
             request.num_computed_tokens += num_tokens
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):
@@ -376,7 +375,7 @@ class Scheduler:
                 runner_output.num_accepted_drafts.get(req_id, 0), token_id)
             kv_transfer_params, appended = None, 0
             for new_token_id in new_token_ids:
-                request.append_output_token_ids((new_token_id,))
+                request.append_output_token(new_token_id)
                 appended += 1
                 if request.check_stop(new_token_id, max_model_len):
                     self.running.remove(request)

@@ -2,6 +2,7 @@
 
     budgets   num_tokens          what is left of max_num_batched_tokens
               num_prefill_tokens  what is left of the step's prefill cap (`PrefillPolicy`)
+    num_decodes   the requests given a decode (not a prefill chunk) so far
     schedule(request, n, block_ids)   a running request gets n tokens and its new blocks
     admit(request, n)                 a waiting (or loaded) request is admitted with n tokens
     unschedule(victim)                a preempted request: its tokens go back to the budgets
@@ -35,6 +36,7 @@ class StepPlan:
         self.new_block_ids: dict[str, tuple[list[int], ...]] = {}  # running requests' only
         self.admitted: list[Request] = []
         self.preempted: list[Request] = []
+        self.num_decodes = 0
 
     def limit(self, prefill: bool) -> int:
         """The most tokens one more request may get: a prefill chunk within both budgets."""
@@ -60,6 +62,9 @@ class StepPlan:
         self.preempted.append(request)
 
     def _spend(self, request: Request, num_tokens: int) -> None:
+        """Take `num_tokens` (given back where negative) from the budgets."""
         self.num_tokens -= num_tokens
         if is_prefill(request, request.num_computed_tokens, abs(num_tokens)):
             self.num_prefill_tokens -= num_tokens
+        else:
+            self.num_decodes += 1 if num_tokens > 0 else -1

@@ -46,14 +46,21 @@ class ParentRequest:
     stream: bool = False
     prompt_logprobs_sent: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # the KV connector's, when finished
+    num_unfinished: int = field(init=False)  # completions still generating
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.completions)
 
     @property
     def finished(self) -> bool:
-        return all(c is not None and c.finished() for c in self.completions)
+        return self.num_unfinished == 0
 
 
 @dataclass
 class ChildState:
+    """One completion while it generates; its `CompletionOutput` is made when it finishes (a
+    streaming parent's deltas are made from this state each update)."""
+
     parent: ParentRequest
     index: int
     detokenizer: IncrementalDetokenizer
@@ -62,6 +69,19 @@ class ChildState:
     cumulative_logprob: float = 0.0
     num_sent_tokens: int = 0
     prompt_logprobs: PromptLogprobs = field(default_factory=list)  # until the prompt's whole
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text,
+            token_ids=self.token_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 @dataclass
@@ -124,17 +144,18 @@ class OutputProcessor:
             if stop_str is not None:
                 to_abort.append(output.req_id)
             parent = child.parent
-            completion = parent.completions[child.index]
-            if completion is not None and completion.finished():
+            if child.finish_reason is not None:
                 del self.children[output.req_id]
+                parent.completions[child.index] = child.completion()
+                parent.num_unfinished -= 1
                 if parent.finished:
                     del self.parents[parent.request_id]
+                    if not parent.stream:
+                        ready.append(self._request_output(parent))
             if parent.stream:
                 delta = self._delta_output(child)
                 if delta is not None:
                     ready.append(delta)
-            elif parent.finished:
-                ready.append(self._request_output(parent))
         return ready, to_abort
 
     def _pooled(self, output: EngineCoreOutput) -> PoolingRequestOutput | None:
@@ -181,15 +202,7 @@ class OutputProcessor:
             for entry in self._logprob_dicts(output.new_logprobs)[:kept]:
                 child.logprobs.append(entry)
                 child.cumulative_logprob += entry[next(iter(entry))].logprob
-        parent.completions[child.index] = CompletionOutput(
-            index=child.index,
-            text=child.detokenizer.output_text,
-            token_ids=child.token_ids,
-            cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-            logprobs=child.logprobs,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
+        child.finish_reason, child.stop_reason = finish_reason, stop_reason
         return stop_str
 
     @staticmethod
@@ -236,22 +249,22 @@ class OutputProcessor:
     def _delta_output(self, child: ChildState) -> RequestOutput | None:
         """What is new in one completion of a streaming parent, or None if nothing is."""
         parent = child.parent
-        completion = parent.completions[child.index]
-        finished = completion.finished()
+        finished = child.finish_reason is not None
         text = child.detokenizer.get_next_output_text(finished, delta=True)
         start = child.num_sent_tokens
-        new_ids = completion.token_ids[start:]
+        new_ids = child.token_ids[start:]
         if not text and not new_ids and not finished:
             return None
-        child.num_sent_tokens = len(completion.token_ids)
+        child.num_sent_tokens = len(child.token_ids)
         prompt_logprobs = None
         if not parent.prompt_logprobs_sent:
             prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
+        logprobs = child.logprobs
         delta = CompletionOutput(
-            index=child.index, text=text, token_ids=list(new_ids),
-            cumulative_logprob=completion.cumulative_logprob,
-            logprobs=completion.logprobs[start:] if completion.logprobs is not None else None,
-            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+            index=child.index, text=text, token_ids=new_ids,
+            cumulative_logprob=child.cumulative_logprob if logprobs is not None else None,
+            logprobs=logprobs[start:] if logprobs is not None else None,
+            finish_reason=child.finish_reason, stop_reason=child.stop_reason)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                              prompt_logprobs, [delta], parent.finished, parent.num_cached_tokens,
                              kv_transfer_params=parent.kv_transfer_params)
@@ -262,7 +275,7 @@ class OutputProcessor:
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=parent.prompt_logprobs,
-            outputs=[c for c in parent.completions if c is not None],
+            outputs=list(parent.completions),
             finished=True,
             num_cached_tokens=parent.num_cached_tokens,
             kv_transfer_params=parent.kv_transfer_params,

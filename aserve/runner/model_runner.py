@@ -54,7 +54,7 @@ from aserve.runner.kv_connector_hooks import (
 from aserve.runner.pooler import Pooler
 from aserve.runner.request_state import CachedRequestState
 from aserve.runner.sampler import Sampler, compute_prompt_logprobs, gather_logprobs
-from aserve.runner.sampling_metadata import SamplingMetadata
+from aserve.runner.sampling_metadata import SamplingMetadata, SamplingParamsCache
 from aserve.runner.sequence_parallel import gather_rows, local_rows
 from aserve.runner.spec_draft import DraftModel
 from aserve.runner.spec_eagle import EagleDrafter, target_streams, whole_vocab_tables
@@ -123,6 +123,7 @@ class ModelRunner:
         self.vocab_size = self.arch.vocab_size
         self.sampler = Sampler(argmax=self.ops.argmax, random_sampling=self.ops.random_sampling,
                                top_p_candidates=self.ops.top_p_candidates)
+        self.sampling_params_cache = SamplingParamsCache()  # (the sampled rows' only)
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
@@ -472,7 +473,8 @@ class ModelRunner:
                 pending: list[list[int]] | None = None) -> list[int]:
         logits = self.grammar_masks.apply(logits, masks)  # [num_sampling_rows, vocab]
         metadata = SamplingMetadata.build(states, self.vocab_size, self.device,
-                                          generator=self.generator, pending=pending)
+                                          generator=self.generator, pending=pending,
+                                          cache=self.sampling_params_cache)
         out = self.sampler(logits, metadata)
         if out.logprobs is not None:
             rows = [j for j, s in enumerate(states) if s.sampling_params.logprobs is not None]

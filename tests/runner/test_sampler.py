@@ -153,6 +153,36 @@ def test_min_tokens_masks_stop_ids_until_reached():
     assert sample(logits, [state(output=[1], **no_eos)]).sampled_token_ids.tolist() == [2]
 
 
+def test_params_cache_keeps_parameter_tensors_and_rebuilds_what_follows_the_tokens():
+    """While the same SamplingParams objects come in the same order, their tensors are reused;
+    the min_tokens mask, the penalties' token lists and the seeded rows' seeds still follow
+    each step's tokens, and another batch (even with equal values) builds its own."""
+    from aserve.runner.sampling_metadata import SamplingParamsCache
+
+    cache = SamplingParamsCache()
+    a = state(output=[1], temperature=0.0, min_tokens=2, stop_token_ids=[2],
+              presence_penalty=1.0)
+    b = state(output=[3], temperature=1.0, seed=5, top_k=3)
+    first = SamplingMetadata.build([a, b], 5, "cpu", cache=cache)
+    assert first.min_tokens_mask[0].tolist() == [0] and first.min_tokens_mask[1].tolist() == [2]
+    assert first.output_token_ids.tolist() == [[1], [3]]
+    a.append_output_token_id(4)
+    b.append_output_token_id(0)
+    second = SamplingMetadata.build([a, b], 5, "cpu", cache=cache)
+    assert second.temperature is first.temperature and second.top_k is first.top_k
+    assert second.min_tokens_mask is None  # a has reached min_tokens
+    assert second.output_token_ids.tolist() == [[1, 4], [3, 0]]
+    assert second.seeded_generator_seeds != first.seeded_generator_seeds  # position 1, not 0
+    assert second.seeded_generator_seeds == build([a, b], 5).seeded_generator_seeds
+    swapped = SamplingMetadata.build([b, a], 5, "cpu", cache=cache)
+    assert swapped.temperature.tolist() == [1.0, 0.0] and swapped.seeded_rows == [0]
+    twin = state(output=[1, 4], temperature=0.0, min_tokens=2, stop_token_ids=[2],
+                 presence_penalty=1.0)  # equal values, another request
+    other = SamplingMetadata.build([twin, a], 5, "cpu", cache=cache)
+    assert other.temperature is not swapped.temperature
+    assert other.temperature.tolist() == [0.0, 0.0] and other.seeded_rows == []
+
+
 def test_logprobs_come_from_raw_logits_with_correct_ranks():
     logits = torch.randn(3, 40)
     worst = int(logits[1].argmin())
