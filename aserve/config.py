@@ -18,9 +18,11 @@ class PrefillPolicy:
     """How many prompt tokens one step may prefill: the one place the prefill knobs (each an
     `EngineArgs` field and CLI flag of the same name) and their constants are defined.
     `core/step_cost.py: prefill_token_cap` applies them with the step cost the scheduler fits
-    to the steps that ran, seconds ≈ a + b · tokens, so that a / b is a step's fixed cost in
-    tokens. With D streams decoding (requests past their prompt) and P prefill tokens (chunks
-    of running prefills and admissions together) in a step:
+    to the steps that ran, seconds ≈ a + b · tokens + c · attention keys, so that a / b is a
+    step's fixed cost in tokens; P below is in those tokens, a chunk after C computed tokens
+    costing its tokens and c / b per key it reads (`step_cost.chunk_cost`), D the decodes'
+    cost so counted. With D streams decoding (requests past their prompt) and P prefill
+    tokens (chunks of running prefills and admissions together) in a step:
 
         a chunk                            P_request ≤ long_prefill_token_threshold (0: any)
         D = 0 or D ≤ prefill_first_streams P ≤ the whole budget

@@ -38,6 +38,8 @@ scheduler; D: the streams decoding, (a, b): the scheduler's fit seconds ≈ a + 
               simulator was written to improve on: `copy`)
     decodes   the scheduler's own method with `prefill_cap_decodes` n (k off)
     copy      a copy of `default:k=0` (the copy is faithful: same figures)
+    server    the scheduler's own method with the server's PrefillPolicy defaults (ratio 2,
+              prefill_first_streams 3, mixed-step ratio 2)
     target    P ≤ (k - 1)(a / b + D): a step ≤ k × the decode-only step of D streams;
               floored at the pending prefill tokens / horizon
     arrival   ratio · a / b · min(1, n / D), floored at safety × the prompt tokens arriving
@@ -72,6 +74,7 @@ from aserve.config import CacheConfig, PrefillPolicy, SchedulerConfig  # noqa: E
 from aserve.core.outputs import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 from aserve.core.request import Request  # noqa: E402
 from aserve.core.scheduler import Scheduler  # noqa: E402
+from aserve.core.step_cost import chunk_cost  # noqa: E402
 from aserve.sampling_params import SamplingParams  # noqa: E402
 
 VOCAB_SIZE = 49152
@@ -117,10 +120,19 @@ def num_decoding(s: Scheduler) -> int:
     return sum(r.num_computed_tokens >= r.num_prompt_tokens for r in s.running)
 
 
-def num_pending_prefill(s: Scheduler) -> int:
+def num_pending_prefill(s: Scheduler) -> float:
     """Prompt tokens pending, all of them: the scheduler's own count (the whole prompts of
-    running prefills and waiting requests, past their cached prefix)."""
+    running prefills and waiting requests, past their cached prefix, each priced by its
+    context: `step_cost.chunk_cost`)."""
     return s._pending_within(sys.maxsize)
+
+
+def decode_cost(s: Scheduler) -> float:
+    """The decoding streams' cost in tokens of the fit: their number plus their contexts' keys
+    at the fit's key cost, as the scheduler counts it."""
+    k = s.step_cost.key_cost_tokens()
+    return sum(chunk_cost(1, r.num_computed_tokens, k) for r in s.running
+               if r.num_computed_tokens >= r.num_prompt_tokens)
 
 
 def guarded(rule: Callable[[Scheduler, float, int], float]) -> Policy:
@@ -173,17 +185,18 @@ def streams_policy(k: float = 2.0, few: int = 0,
                    per: float = PrefillPolicy.DRAIN_STEPS_PER_DECODE,
                    ratio: float = 4.0) -> Policy:
     """While at most `few` streams decode, the default's ratio · a / b; past that, the
-    step-time target of `target` (P ≤ (k - 1)(a / b + D)), floored by the pending prefill
-    over min(per · D, horizon) steps (per=0: over `horizon`; horizon=0: no floor), never
-    above the default's cap. The defaults are the scheduler's method; few=8,per=0 the one
-    before it (a prompt spread over 32 steps past 8 streams only)."""
+    step-time target of `target` (P ≤ (k - 1)(a / b + D), D the decodes' cost in tokens:
+    `decode_cost`), floored by the pending prefill over min(per · D, horizon) steps (per=0:
+    over `horizon`; horizon=0: no floor), never above the default's cap. The defaults are the
+    scheduler's method; few=8,per=0 the one before it (a prompt spread over 32 steps past 8
+    streams only)."""
     def rule(s: Scheduler, t: float, d: int) -> float:
         cap = ratio * t
         if d <= few:
             return cap
         steps = min(per * d, horizon) if per else horizon
         floor = num_pending_prefill(s) / steps if steps else 0.0
-        return min(cap, max((k - 1) * (t + d), floor))
+        return min(cap, max((k - 1) * (t + decode_cost(s)), floor))
     return guarded(rule)
 
 
@@ -194,7 +207,8 @@ def fixed_policy(c: float = 64, few: int = 8, ratio: float = 4.0) -> Policy:
 
 
 POLICIES: dict[str, Callable[..., Policy | None]] = {
-    "default": lambda: None, "decodes": lambda n=4: None, "copy": copy_policy,
+    "default": lambda: None, "decodes": lambda n=4: None, "server": lambda: None,
+    "copy": copy_policy,
     "target": target_policy, "arrival": arrival_policy, "streams": streams_policy,
     "fixed": fixed_policy,
 }
@@ -231,7 +245,7 @@ def make_prompts(workload: dict, seed: int) -> list[list[int]]:
 
 def make_scheduler(spec: str, num_blocks: int = 8192) -> Scheduler:
     name, knobs = parse_policy(spec)
-    prefill = PrefillPolicy(
+    prefill = PrefillPolicy() if name == "server" else PrefillPolicy(
         long_prefill_token_threshold=0, max_prefill_step_ratio=4.0, prefill_first_streams=0,
         prefill_cap_decodes=int(knobs.get("n", 4)) if name == "decodes" else 0,
         max_mixed_step_ratio=knobs.get("k", 2.0) if name == "default" else 0.0)
@@ -239,7 +253,7 @@ def make_scheduler(spec: str, num_blocks: int = 8192) -> Scheduler:
                              prefill=prefill, async_scheduling=False)
     scheduler = Scheduler(config, CacheConfig(block_size=16, num_blocks=num_blocks,
                                               enable_prefix_caching=True))
-    policy = POLICIES[name](**knobs) if name not in ("default", "decodes") else None
+    policy = POLICIES[name](**knobs) if name not in ("default", "decodes", "server") else None
     if policy is not None:
         scheduler._max_prefill_tokens = lambda: policy(scheduler)  # type: ignore[method-assign]
     return scheduler

@@ -51,6 +51,9 @@ class SchedulerOutput:
     # Of those, the decodes: a request's one token past its prompt (the one it sampled last).
     # The rest are prefill (prompt chunks, recomputation after preemption); for the dashboard.
     num_decode_tokens: int = 0
+    # The keys every row's query attends, summed (`step_cost.attention_keys`): the step-cost
+    # fit's third term.
+    num_attention_keys: int = 0
     # Requests the runner must forget before this step: finished, aborted or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)

@@ -51,7 +51,7 @@ from aserve.core.speculation import (
     max_drafts_before_min_tokens,
     worthwhile_drafts,
 )
-from aserve.core.step_cost import StepCostModel, prefill_token_cap
+from aserve.core.step_cost import StepCostModel, chunk_cost, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
 
 PROPOSE_SECONDS = 0.005  # a step's budget for proposing drafts (speculative decoding)
@@ -144,13 +144,14 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(self.config.max_num_batched_tokens, self._max_prefill_tokens())
+        plan = StepPlan(self.config.max_num_batched_tokens, self._max_prefill_tokens(),
+                        self.step_cost.key_cost_tokens())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_loaded(plan)
             self._schedule_waiting(plan)
         output = self._make_output(plan)
-        output.num_decode_tokens = plan.num_decodes
+        output.num_decode_tokens, output.num_attention_keys = plan.num_decodes, plan.num_keys
         output.draft_model_runs = bool(self.num_lookahead) and self._drafting_pays()
         for req_id, num_tokens in plan.num_scheduled.items():
             request = self.requests[req_id]
@@ -170,24 +171,33 @@ class Scheduler:
         self._last_output = output
         return output
 
-    def _max_prefill_tokens(self) -> int:
-        """Prefill tokens this step may carry (`step_cost.prefill_token_cap`)."""
-        num_decoding = sum(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running)
+    def _max_prefill_tokens(self) -> float:
+        """Prefill this step may carry (`step_cost.prefill_token_cap`), in tokens of the
+        step-cost fit (`StepPlan` prices each chunk by its context)."""
+        k = self.step_cost.key_cost_tokens()
+        num_decoding, decode_cost = 0, 0.0
+        for request in self.running:
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                num_decoding += 1
+                decode_cost += chunk_cost(1, request.num_computed_tokens, k)
         return prefill_token_cap(self.config, self.step_cost, num_decoding,
-                                 self._pending_within, self.block_size)
+                                 self._pending_within, self.block_size, decode_cost)
 
-    def _pending_within(self, limit: int) -> int:
-        """Prompt tokens not prefilled yet, counted up to `limit`: the whole prompts of running
-        prefills and waiting requests past their cached prefix (the whole prompt, not its rest:
-        drained at pending / steps a step, a prompt then ends within those steps)."""
-        pending = 0
+    def _pending_within(self, limit: float) -> float:
+        """Prompts not prefilled yet, in tokens of the step-cost fit (`chunk_cost`), counted
+        up to `limit`: the whole prompts of running prefills and waiting requests past their
+        cached prefix (the whole prompt, not its rest: drained at pending / steps a step, a
+        prompt then ends within those steps)."""
+        k, pending = self.step_cost.key_cost_tokens(), 0.0
         for request in self.running:
             if request.num_computed_tokens < request.num_prompt_tokens:
-                pending += request.num_prompt_tokens - max(0, request.num_cached_tokens)
+                cached = max(0, request.num_cached_tokens)
+                pending += chunk_cost(request.num_prompt_tokens - cached, cached, k)
         for request in self.waiting:
             if pending >= limit:
                 break
-            pending += request.num_tokens - self.kv_cache_manager.get_computed_blocks(request)[1]
+            cached = self.kv_cache_manager.get_computed_blocks(request)[1]
+            pending += chunk_cost(request.num_tokens - cached, cached, k)
         return min(pending, limit)
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int,
@@ -207,7 +217,7 @@ class Scheduler:
         threshold = self.config.prefill.long_prefill_token_threshold
         if threshold > 0:
             num_new = min(num_new, threshold)
-        return min(num_new, plan.limit(is_prefill(request, num_computed, num_new)))
+        return min(num_new, plan.limit(is_prefill(request, num_computed, num_new), num_computed))
 
     def _schedule_running(self, plan: StepPlan) -> None:
         index = 0
@@ -347,7 +357,8 @@ class Scheduler:
             self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
             self.step_cost.record(scheduler_output.total_num_scheduled_tokens,
-                                  runner_output.forward_seconds)
+                                  runner_output.forward_seconds,
+                                  scheduler_output.num_attention_keys)
         for req_id, vector in runner_output.pooler_output.items():
             outputs += self._finish_pooled(req_id, vector)
         # (per request, per step: what does not change is looked up once)

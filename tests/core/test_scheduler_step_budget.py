@@ -20,15 +20,21 @@ class FixedCap:
     """A cost model that allows `cap` prefill tokens beside any decodes, and `mixed` where a
     mixed step is held to a ratio of its decodes; records what it is fed."""
 
-    def __init__(self, cap: int | None, mixed: int | None = None) -> None:
-        self.cap, self.mixed = cap, mixed
+    def __init__(self, cap: int | None, mixed: int | None = None,
+                 key_cost: float = 0.0) -> None:
+        self.cap, self.mixed, self.key_cost = cap, mixed, key_cost
         self.recorded: list[tuple[int, float]] = []
+        self.keys: list[int] = []
         self.asked: list[float] = []
         self.asked_mixed: list[tuple[float, int]] = []
         self.is_timed = True
 
-    def record(self, num_tokens: int, seconds: float) -> None:
+    def record(self, num_tokens: int, seconds: float, num_keys: int = 0) -> None:
         self.recorded.append((num_tokens, seconds))
+        self.keys.append(num_keys)
+
+    def key_cost_tokens(self) -> float:
+        return self.key_cost
 
     def max_prefill_tokens(self, ratio: float) -> int | None:
         self.asked.append(ratio)
@@ -273,6 +279,28 @@ def test_the_scheduler_feeds_its_cost_model_each_step_composition() -> None:
                  step_seconds=lambda p, d: 0.5 + p + 10 * d)
     runner.run_until_done()
     assert cost.recorded == [(6, 6.5), (1, 10.5), (1, 10.5)]
+    assert cost.keys == [6 * 7 // 2, 7, 8]  # the prompt's rows read 1..6 keys, decodes 7, 8
+
+
+def test_a_chunk_after_a_cached_prefix_pays_for_its_keys() -> None:
+    """The prefill cap is in tokens of the fit: a chunk's keys cost `key_cost_tokens` each
+    (`step_cost.chunk_cost`), so the same cap buys fewer tokens after a cached prefix."""
+    from aserve.core.step_cost import tokens_within
+
+    shared, key_cost, got = prompt(500, 48), 0.05, {}
+    for cached in (False, True):
+        scheduler = make_scheduler(cost=FixedCap(40, key_cost=key_cost), mixed=0)
+        runner = run(scheduler)
+        if cached:  # a finished request leaves the 48 tokens' blocks in the prefix cache
+            scheduler.add_request(make_request("first", shared + [1], max_tokens=1))
+            runner.run_until_done()
+        decode_streams(scheduler, runner, 2)
+        scheduler.add_request(make_request("late", shared + prompt(700, 30), max_tokens=2))
+        got[cached] = schedule_of(runner)["late"]
+        runner.run_until_done()
+        assert runner.streamed["late"] == [100 + 78 + i for i in range(2)]
+    assert got == {False: tokens_within(40, 0, key_cost), True: tokens_within(40, 48, key_cost)}
+    assert got[True] < got[False] < 40  # 10 and 24 tokens
 
 
 def step_seconds(num_prefill: int, num_decode: int) -> float:

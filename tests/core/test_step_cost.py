@@ -111,3 +111,45 @@ def test_an_outlier_step_is_left_out_unless_they_keep_coming() -> None:
     for _ in range(30):  # ...then learnt
         slow.record(150, 5 * linear(150))
     assert slow.fit()[0] + slow.fit()[1] * 150 > 3 * linear(150)
+
+
+def with_keys(num_tokens: int, num_keys: int) -> float:
+    return linear(num_tokens) + 2e-7 * num_keys  # a key costs 2e-7 / 2.5e-4 = 1/1250 token
+
+
+def test_fit_recovers_the_attention_term_and_prices_chunks_by_their_context() -> None:
+    from aserve.core.step_cost import attention_keys, chunk_cost, tokens_within
+
+    model = StepCostModel()
+    # decodes at growing contexts, and chunks of 128 and 256 tokens over 0 or 1024 cached
+    steps = [(8, 8 * c) for c in (100, 400, 900)]
+    steps += [(n, attention_keys(c, n)) for n in (128, 256) for c in (0, 1024)]
+    for i in range(200):
+        num_tokens, num_keys = steps[i % len(steps)]
+        model.record(num_tokens, with_keys(num_tokens, num_keys), num_keys)
+    a, b = model.fit()
+    assert a == pytest.approx(0.015, rel=0.01) and b == pytest.approx(0.00025, rel=0.01)
+    assert model.key_cost() == pytest.approx(2e-7, rel=0.01)
+    k = model.key_cost_tokens()
+    assert k == pytest.approx(1 / 1250, rel=0.01)
+    # a chunk's price in tokens: its own plus its keys at k
+    assert chunk_cost(128, 1024, k) == pytest.approx(128 + k * (128 * 1024 + 128 * 129 / 2))
+    budget = 4 * model.fixed_cost_tokens()  # 240 tokens of b
+    fresh, over_prefix = tokens_within(budget, 0, k), tokens_within(budget, 1024, k)
+    assert over_prefix < fresh < budget  # the same seconds buy fewer tokens after 1k keys
+    for num_computed, n in ((0, fresh), (1024, over_prefix)):  # the most within the budget
+        assert chunk_cost(n, num_computed, k) <= budget < chunk_cost(n + 1, num_computed, k)
+    # and what the fit predicts for that chunk is the budget's seconds, not 3x of it
+    seconds = with_keys(over_prefix, attention_keys(1024, over_prefix)) - 0.015
+    assert seconds == pytest.approx(budget * b, rel=0.02)
+
+
+def test_without_keys_the_fit_is_the_tokens_one() -> None:
+    from aserve.core.step_cost import tokens_within
+
+    model = StepCostModel()
+    for i in range(100):
+        num_tokens = (30, 512, 280, 25)[i % 4]
+        model.record(num_tokens, linear(num_tokens))
+    assert model.key_cost() == 0.0 and model.key_cost_tokens() == 0.0
+    assert tokens_within(100.0, 5000, 0.0) == 100 and tokens_within(0.0, 0, 0.1) == 0
