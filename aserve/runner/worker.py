@@ -39,6 +39,7 @@ from aserve.distributed import (
 )
 from aserve.kv_transfer import KVConnectorRole, create_connector, kv_cache_key
 from aserve.models import effective_max_model_len
+from aserve.runner.core_share import core_share_for_worker
 from aserve.runner.graphs import default_capture_sizes
 from aserve.runner.kv_cache import kv_buffer_ids, kv_cache_bytes_per_block
 from aserve.runner.model_runner import ModelRunner
@@ -70,6 +71,8 @@ class Worker:
         self.runner = ModelRunner(model_config, block_size, self.platform, self.device,
                                   publish_inputs, gather_kv_reports, draft)
         self.kv_transfer_config = kv_transfer_config
+        # (built in the worker thread, whose OpenMP team it sizes)
+        self.core_share = core_share_for_worker(self.platform.name == "cpu" and distributed is None)
         arch = self.runner.arch
         self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,
                                          get_tp_size(), self.runner.num_kv_heads, arch.head_dim,
@@ -152,6 +155,8 @@ class Worker:
                                        self.num_speculative_tokens)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.core_share is not None:
+            self.core_share.step()
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
