@@ -72,7 +72,8 @@ class Worker:
                                   publish_inputs, gather_kv_reports, draft)
         self.kv_transfer_config = kv_transfer_config
         # (built in the worker thread, whose OpenMP team it sizes)
-        self.core_share = core_share_for_worker(self.platform.name == "cpu" and distributed is None)
+        self.core_share = core_share_for_worker(self.platform.computes_on_host
+                                                and distributed is None)
         arch = self.runner.arch
         self.kv_cache_key = kv_cache_key(model_config.model, str(arch.dtype), block_size,
                                          get_tp_size(), self.runner.num_kv_heads, arch.head_dim,
