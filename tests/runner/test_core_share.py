@@ -61,7 +61,7 @@ def test_the_team_shrinks_beside_a_busy_process_and_grows_back_when_it_leaves() 
 def test_a_single_busy_reading_or_a_light_process_changes_nothing() -> None:
     m = Machine()
     share = m.share()
-    for others in (1.0, 0.0, 1.0, 0.0, 0.3, 0.4, 0.45):  # never two heavy readings in a row
+    for others in (1.0, 0.0, 1.0, 0.0, 0.3, 0.5, 0.55):  # never two heavy readings in a row
         m.run(INTERVAL, others=others, own=2.0 - others)
         share.step()
     assert m.set == []
