@@ -113,7 +113,7 @@ class StepCost:
 
 # ------------------------------------------------------------------ policies
 
-Policy = Callable[[Scheduler], int]
+Policy = Callable[[Scheduler], int | None]
 
 
 def num_decoding(s: Scheduler) -> int:
@@ -138,13 +138,13 @@ def decode_cost(s: Scheduler) -> float:
 def guarded(rule: Callable[[Scheduler, float, int], float]) -> Policy:
     """A policy from `rule(s, t, num_decoding)`, t = a / b (the fit's fixed cost in tokens,
     the last good one: `StepCostModel.fixed_cost_tokens`), with the scheduler's own edge
-    cases: the whole budget without a ratio, untimed steps or decodes; half of it while the
-    fit cannot tell; never under one block nor over the budget."""
-    def policy(s: Scheduler) -> int:
+    cases: no cap (None: the whole budget) without a ratio, untimed steps or decodes; half
+    the budget while the fit cannot tell; never under one block nor over the budget."""
+    def policy(s: Scheduler) -> int | None:
         budget = s.config.max_num_batched_tokens
         num_dec = num_decoding(s)
         if s.config.prefill.max_prefill_step_ratio <= 0 or not s.step_cost.is_timed or not num_dec:
-            return budget
+            return None
         tokens = s.step_cost.fixed_cost_tokens()
         if tokens is None:
             return budget // 2

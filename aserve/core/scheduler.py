@@ -144,8 +144,9 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(self.config.max_num_batched_tokens, self._max_prefill_tokens(),
-                        self.step_cost.key_cost_tokens())
+        budget, cap = self.config.max_num_batched_tokens, self._max_prefill_tokens()
+        plan = (StepPlan(budget, budget) if cap is None
+                else StepPlan(budget, cap, self.step_cost.key_cost_tokens()))
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_loaded(plan)
@@ -171,15 +172,15 @@ class Scheduler:
         self._last_output = output
         return output
 
-    def _max_prefill_tokens(self) -> float:
+    def _max_prefill_tokens(self) -> float | None:
         """Prefill this step may carry (`step_cost.prefill_token_cap`), in tokens of the
-        step-cost fit (`StepPlan` prices each chunk by its context)."""
-        k = self.step_cost.key_cost_tokens()
-        num_decoding, decode_cost = 0, 0.0
+        step-cost fit (`StepPlan` prices each chunk by its context); None: no cap."""
+        num_decoding = decode_keys = 0
         for request in self.running:
             if request.num_computed_tokens >= request.num_prompt_tokens:
                 num_decoding += 1
-                decode_cost += chunk_cost(1, request.num_computed_tokens, k)
+                decode_keys += request.num_computed_tokens + 1
+        decode_cost = num_decoding + self.step_cost.key_cost_tokens() * decode_keys
         return prefill_token_cap(self.config, self.step_cost, num_decoding,
                                  self._pending_within, self.block_size, decode_cost)
 
