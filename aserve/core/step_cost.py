@@ -170,15 +170,15 @@ def tokens_within(budget: float, num_computed: int, key_cost_tokens: float) -> i
 
 def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding: int,
                       pending_within: Callable[[float], float], block_size: int,
-                      decode_cost: float | None = None) -> int | None:
+                      decode_cost: float) -> int | None:
     """Prefill a step beside `num_decoding` streams may carry, by `config.prefill`
     (`PrefillPolicy`, which states the rule), in tokens of the fit (`chunk_cost` prices a
     chunk by its context): None (no cap: the step's whole token budget, tokens as they come)
     without a ratio for this step or step times; half the budget while the fixed cost is
     unknown; else what the ratio of fixed costs buys, lowered by the mixed-step cap, never
     under one block. `pending_within(limit)`: the prompt tokens pending (priced the same
-    way), counted up to `limit`; `decode_cost`: the decodes' cost in tokens (their number
-    where not given)."""
+    way), counted up to `limit`; `decode_cost`: the decodes' cost in tokens (their number and
+    their contexts' keys)."""
     policy, budget = config.prefill, config.max_num_batched_tokens
     ratio = policy.step_ratio(num_decoding)
     if ratio <= 0 or not cost.is_timed:
@@ -187,8 +187,7 @@ def prefill_token_cap(config: SchedulerConfig, cost: StepCostModel, num_decoding
     if cap is None:
         return budget // 2
     if policy.max_mixed_step_ratio:
-        cap = mixed_step_cap(policy, cost, cap, num_decoding, pending_within,
-                             num_decoding if decode_cost is None else decode_cost)
+        cap = mixed_step_cap(policy, cost, cap, num_decoding, pending_within, decode_cost)
     return max(cap, block_size)
 
 

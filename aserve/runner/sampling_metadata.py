@@ -163,7 +163,8 @@ class ParamsPart:
 class SamplingParamsCache:
     """The last batch's `ParamsPart`, given again while a batch has the very same
     `SamplingParams` objects in the same order (it keeps them alive, so an identity is never
-    another request's). Its tensors are read, never written, by the sampler."""
+    another request's). One per runner (one device). Its tensors are read, never written, by
+    the sampler."""
 
     def __init__(self) -> None:
         self._last: ParamsPart | None = None
@@ -172,8 +173,7 @@ class SamplingParamsCache:
             device: torch.device) -> ParamsPart:
         last = self._last
         if (last is None or len(last.params) != len(params)
-                or not all(map(operator.is_, last.params, params))
-                or last.temperature.device != device):
+                or not all(map(operator.is_, last.params, params))):
             last = self._last = ParamsPart.build(params, vocab_size, device)
         return last
 

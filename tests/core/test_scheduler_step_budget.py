@@ -169,21 +169,29 @@ def test_a_prompt_drains_at_one_rate_and_ends_within_the_drain_steps() -> None:
     assert runner.streamed["late"] == [100 + 96 + i for i in range(2)]
 
 
+def first_chunk_of_late(scheduler: Scheduler, shared: list[int], new: list[int],
+                        cached: bool) -> int:
+    """Beside 2 decoding streams, the tokens the first step gives a request of `shared` +
+    `new` prompt tokens (`shared` left in the prefix cache by a finished request where
+    `cached`); the request then runs to its end with the right tokens."""
+    runner = run(scheduler)
+    if cached:  # a finished request leaves the shared tokens' blocks in the prefix cache
+        scheduler.add_request(make_request("first", shared + [1], max_tokens=1))
+        runner.run_until_done()
+    decode_streams(scheduler, runner, 2)
+    scheduler.add_request(make_request("late", shared + new, max_tokens=2))
+    chunk = schedule_of(runner)["late"]
+    runner.run_until_done()
+    assert runner.streamed["late"] == [100 + len(shared) + len(new) + i for i in range(2)]
+    return chunk
+
+
 def test_a_cached_prefix_is_not_pending() -> None:
     shared = prompt(500, 48)
     for cached, expected in ((False, 60 // drain_steps(2)), (True, 12)):
         scheduler = make_scheduler(cost=FixedCap(40, mixed=12))
-        runner = run(scheduler)
-        if cached:  # a finished request leaves the 48 tokens' blocks in the prefix cache
-            scheduler.add_request(make_request("first", shared + [1], max_tokens=1))
-            runner.run_until_done()
-        decode_streams(scheduler, runner, 2)
-        scheduler.add_request(make_request("late", shared + prompt(700, 12), max_tokens=2))
-        step = schedule_of(runner)
         # pending: the 60 tokens over 4 steps (15), or the 12 past the cached 48 (target 12)
-        assert step["late"] == expected
-        runner.run_until_done()
-        assert runner.streamed["late"] == [100 + 60 + i for i in range(2)]
+        assert first_chunk_of_late(scheduler, shared, prompt(700, 12), cached) == expected
 
 
 def test_a_long_prompt_among_few_streams_or_a_ratio_of_0_keep_the_fixed_cost_cap() -> None:
@@ -287,18 +295,10 @@ def test_a_chunk_after_a_cached_prefix_pays_for_its_keys() -> None:
     (`step_cost.chunk_cost`), so the same cap buys fewer tokens after a cached prefix."""
     from aserve.core.step_cost import tokens_within
 
-    shared, key_cost, got = prompt(500, 48), 0.05, {}
+    key_cost, got = 0.05, {}
     for cached in (False, True):
         scheduler = make_scheduler(cost=FixedCap(40, key_cost=key_cost), mixed=0)
-        runner = run(scheduler)
-        if cached:  # a finished request leaves the 48 tokens' blocks in the prefix cache
-            scheduler.add_request(make_request("first", shared + [1], max_tokens=1))
-            runner.run_until_done()
-        decode_streams(scheduler, runner, 2)
-        scheduler.add_request(make_request("late", shared + prompt(700, 30), max_tokens=2))
-        got[cached] = schedule_of(runner)["late"]
-        runner.run_until_done()
-        assert runner.streamed["late"] == [100 + 78 + i for i in range(2)]
+        got[cached] = first_chunk_of_late(scheduler, prompt(500, 48), prompt(700, 30), cached)
     assert got == {False: tokens_within(40, 0, key_cost), True: tokens_within(40, 48, key_cost)}
     assert got[True] < got[False] < 40  # 10 and 24 tokens
 
