@@ -18,13 +18,13 @@ preempting is `plan.unschedule(victim)`. Prefill beside decodes is capped by `co
 (`PrefillPolicy`) with the step cost fitted to the steps that ran (`step_cost.py`). Blocks are
 per KV cache group: the `KVCacheManager` answers for every group at once. A KV connector
 (injected by the engine) is reached through `remote_kv` (`remote_kv.py`: `RemoteKV`, or
-`NoRemoteKV` when there is none).
+`NoRemoteKV` when there is none), speculative decoding through `spec` (`spec_policy.py`:
+`SpecPolicy`, or `NoSpeculation`).
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Iterable
 
 from aserve.config import CacheConfig, SchedulerConfig
@@ -44,18 +44,9 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
-from aserve.core.speculation import (
-    ACCEPTANCE_RELAX,
-    can_speculate,
-    make_proposer,
-    max_drafts_before_min_tokens,
-    worthwhile_drafts,
-)
+from aserve.core.spec_policy import make_spec_policy
 from aserve.core.step_cost import StepCostModel, chunk_cost, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
-
-PROPOSE_SECONDS = 0.005  # a step's budget for proposing drafts (speculative decoding)
-PRIOR_DRAFT_TOKENS = 64  # verified drafts before their rate is a new request's prior
 
 
 class Scheduler:
@@ -79,16 +70,8 @@ class Scheduler:
         self.step_cost = StepCostModel()
         self.remote_kv = make_remote_kv(kv_connector, self.kv_cache_manager)
         self._last_output: SchedulerOutput | None = None
-        speculative = scheduler_config.speculative
-        self.proposer = make_proposer(speculative) if speculative is not None else None
-        # a draft model's passes write k positions past a step's tokens: slots for them
-        self.draft_pass_seconds = 0.0
-        self.num_lookahead = (speculative.num_speculative_tokens
-                              if speculative is not None and speculative.runner_drafts
-                              else 0)
-        self.spec_num_drafts = self.spec_num_draft_tokens = 0
-        self.spec_accepted_per_pos = [0] * (speculative.num_speculative_tokens
-                                            if speculative is not None else 0)
+        self.spec = make_spec_policy(scheduler_config.speculative, self.step_cost,
+                                     scheduler_config.max_model_len)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -123,8 +106,7 @@ class Scheduler:
         held, params = self.remote_kv.request_finished(request, loading)
         if not held:
             self.kv_cache_manager.free(request)
-        if self.proposer is not None:
-            self.proposer.finish(request.request_id, request.output_token_ids)
+        self.spec.finish(request)
         self.finished_req_ids.add(request.request_id)
         self.num_prompt_logprobs_sent.pop(request.request_id, None)
         del self.requests[request.request_id]
@@ -153,17 +135,11 @@ class Scheduler:
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         output.num_decode_tokens, output.num_attention_keys = plan.num_decodes, plan.num_keys
-        output.draft_model_runs = bool(self.num_lookahead) and self._drafting_pays()
+        output.draft_model_runs = self.spec.draft_model_runs(self.running)
+        num_running = len(self.running)
         for req_id, num_tokens in plan.num_scheduled.items():
             request = self.requests[req_id]
-            if (self.num_lookahead and request.num_computed_tokens + num_tokens
-                    >= request.num_tokens and not request.num_output_placeholders
-                    and can_speculate(request.sampling_params)
-                    and (n := self._num_drafts(request)) > 0):
-                output.num_draft_tokens[req_id] = n  # the draft model's, after this step
-            drafts = request.spec_token_ids
-            if drafts:  # (trimmed to what the step gives: _schedule_running)
-                output.scheduled_spec_decode_tokens[req_id] = list(drafts)
+            self.spec.schedule_request(output, request, num_tokens, num_running)
             request.num_computed_tokens += num_tokens
             if self.config.async_scheduling and request.num_computed_tokens == (
                     request.num_tokens + request.num_output_placeholders):
@@ -209,7 +185,7 @@ class Scheduler:
         if num_pending and (request.num_output_tokens + num_pending >= request.max_tokens
                             or request.num_tokens + num_pending >= self.config.max_model_len
                             or self.config.max_batches_in_flight > 1
-                            or self._would_draft(request)):
+                            or self.spec.would_draft(request, len(self.running))):
             return 0  # its token in flight is its last one, or the next batch (or its
             # drafts, which follow that token) needs it
         num_new = request.num_tokens + num_pending - num_computed
@@ -345,15 +321,8 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        # drafts for the next step within PROPOSE_SECONDS of the engine thread (the requests
-        # past it decode a token, unchanged), whatever the requests' texts make lookups cost
-        propose_until = time.perf_counter() + PROPOSE_SECONDS
-        if self.proposer is not None:
-            self.proposer.observe(runner_output.draft_token_ids)
-        if runner_output.draft_passes:  # a draft model's seconds a pass, averaged
-            seconds = runner_output.draft_seconds / runner_output.draft_passes
-            self.draft_pass_seconds = (seconds if not self.draft_pass_seconds
-                                       else 0.8 * self.draft_pass_seconds + 0.2 * seconds)
+        spec = self.spec
+        spec.observe(runner_output)
         for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
             self.waiting.prepend(request)  # a failed load: computed here, from scratch
         if scheduler_output.total_num_scheduled_tokens:
@@ -382,7 +351,7 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            new_token_ids = self._verified_tokens(
+            new_token_ids = spec.verified_tokens(
                 request, all_drafts.get(req_id) if all_drafts else None,
                 runner_output.num_accepted_drafts.get(req_id, 0), token_id)
             kv_transfer_params, appended = None, 0
@@ -398,9 +367,7 @@ class Scheduler:
                 all_logprobs.get(req_id) if all_logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
-            if (self.proposer is not None and not request.is_finished
-                    and time.perf_counter() < propose_until):
-                self._propose(request)
+            spec.propose(request, len(self.running))
         return outputs
 
     def _finish_pooled(self, req_id: str, vector) -> list[EngineCoreOutput]:
@@ -412,109 +379,19 @@ class Scheduler:
                                  pooling_output=vector)
                 for request in self.finish_requests([req_id], RequestStatus.FINISHED_STOPPED)]
 
-    def _pass_tokens(self) -> float:
-        """A draft model's pass, in tokens of the step-cost fit (its seconds / b)."""
-        fit = self.step_cost.fit()
-        return self.draft_pass_seconds / fit[1] if fit is not None and fit[1] > 0 else 0.0
-
-    def _drafting_pays(self) -> bool:
-        """Whether a first draft pays at this batch size for the running request likeliest
-        to have it accepted (its acceptance estimate; 1 before its first verification): the
-        draft model keeps its K/V while one does, and rests while none does (a batch
-        compute-bound beside the draft model's passes, or drafts that are rarely accepted;
-        the estimates drift back toward 1 while nothing is verified, `ACCEPTANCE_RELAX`, so
-        it runs again to measure them)."""
-        prior = self._prior_acceptance()
-        best = max((prior if r.spec_acceptance is None else r.spec_acceptance
-                    for r in self.running), default=prior)
-        return worthwhile_drafts(1, best, self.step_cost.fixed_cost_tokens(),
-                                 len(self.running), self._pass_tokens()) > 0
-
-    def _prior_acceptance(self) -> float:
-        """What a request none of whose drafts were verified yet is taken to accept: every
-        request's rate so far, once `PRIOR_DRAFT_TOKENS` drafts were verified (a drafter
-        whose drafts are rarely accepted then keeps new requests from waiting to draft), else
-        all of them."""
-        if self.spec_num_draft_tokens < PRIOR_DRAFT_TOKENS:
-            return 1.0
-        return sum(self.spec_accepted_per_pos) / self.spec_num_draft_tokens
-
-    def _would_draft(self, request: Request) -> bool:
-        """Whether drafts would pay for the request's next step (under async scheduling it
-        then waits for its token in flight, which its drafts follow)."""
-        return (self.proposer is not None and can_speculate(request.sampling_params)
-                and self._num_drafts(request) > 0)
-
-    def _num_drafts(self, request: Request) -> int:
-        """Drafts worth proposing for the request's next step: as many as pay for themselves
-        in a step of this many decodes (`worthwhile_drafts`, from the step-cost fit, the
-        request's acceptance so far and a draft model's pass time), and as its max_tokens,
-        the model's length and its min_tokens leave room for after the token the step
-        samples anyway."""
-        room = min(request.max_tokens - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens,
-                   worthwhile_drafts(self.proposer.k, self._prior_acceptance()
-                                     if request.spec_acceptance is None
-                                     else request.spec_acceptance,
-                                     self.step_cost.fixed_cost_tokens(), len(self.running),
-                                     self._pass_tokens()) + 1) - 1
-        below_min = max_drafts_before_min_tokens(request.num_output_tokens,
-                                                 request.sampling_params.min_tokens)
-        return room if below_min is None else min(room, below_min)
-
     def _allocate(self, request: Request, num_new: int, num_cached: int = 0,
                   cached_blocks: GroupBlocks | None = None) -> tuple[list[int], ...] | None:
         """`allocate_slots` for `num_new` tokens, with a draft model's lookahead slots
-        (`_lookahead`) where they fit, else without them (its passes then stop short)."""
+        (`SpecPolicy.lookahead`) where they fit, else without them (its passes then stop short)."""
         kv = self.kv_cache_manager
-        lookahead = self._lookahead(request, request.num_computed_tokens + num_cached, num_new)
+        lookahead = self.spec.lookahead(request, request.num_computed_tokens + num_cached,
+                                        num_new)
         if lookahead:
             block_ids = kv.allocate_slots(request, num_new + lookahead, num_cached,
                                           cached_blocks)
             if block_ids is not None:
                 return block_ids
         return kv.allocate_slots(request, num_new, num_cached, cached_blocks)
-
-    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
-        """Slots to reserve past a step's tokens, where the step reaches the request's last
-        known token (it samples; a draft model then drafts into them), within max_model_len.
-        (Never short of it: the slots would cover known tokens not computed yet, and their
-        full blocks would be registered in the prefix cache before their K/V is written.)"""
-        if (not self.num_lookahead or num_computed + num_new < request.num_tokens
-                or request.num_output_placeholders):  # (overlapped: it does not draft)
-            return 0
-        return max(0, min(self.num_lookahead,
-                          self.config.max_model_len - num_computed - num_new))
-
-    def _verified_tokens(self, request: Request, drafts: list[int] | None, num_accepted: int,
-                         token_id: int) -> list[int]:
-        """The tokens a step gave `request`: its accepted drafts, then the token sampled
-        after them. The rejected drafts' positions are rolled back (their K/V slots are
-        written again by the steps that compute the real tokens there)."""
-        if not drafts:
-            if request.spec_acceptance is not None:  # unmeasured this step: toward the prior
-                request.spec_acceptance += ACCEPTANCE_RELAX * (1.0 - request.spec_acceptance)
-            return [token_id]
-        request.spec_token_ids = []
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        rate = num_accepted / len(drafts)
-        request.spec_acceptance = (rate if request.spec_acceptance is None
-                                   else 0.7 * request.spec_acceptance + 0.3 * rate)
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
-        for position in range(num_accepted):
-            self.spec_accepted_per_pos[position] += 1
-        return [*drafts[:num_accepted], token_id]
-
-    def _propose(self, request: Request) -> None:
-        """Drafts for a decoding request's next step, as many as `_num_drafts` says."""
-        params = request.sampling_params
-        if request.num_computed_tokens + 1 != request.num_tokens or not can_speculate(params):
-            return
-        room = self._num_drafts(request)
-        if room > 0:
-            request.spec_token_ids = self.proposer.propose(request.request_id,
-                                                           request.all_token_ids, room)
 
     def _drop_resent_prompt_logprobs(self, request: Request, rows: LogprobsLists,
                                      start: int) -> LogprobsLists | None:
@@ -540,10 +417,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            spec_decode_num_drafts=self.spec_num_drafts,
-            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_decode_num_accepted_tokens=sum(self.spec_accepted_per_pos),
-            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_accepted_per_pos),
+            **self.spec.stats(),
         ))
 
     def reset_prefix_cache(self) -> bool:
@@ -586,7 +460,7 @@ class Scheduler:
                 f"group {group_id}'s blocks do not cover {request}")
             max_blocks = max_blocks_per_request(kv.groups[group_id], config.max_model_len,
                                                 config.max_num_batched_tokens
-                                                + self.num_lookahead)
+                                                + self.spec.num_lookahead)
             num_held = sum(1 for block_id in block_ids if block_id != 0)
             assert num_held <= max_blocks, f"{request} holds {num_held} blocks of group {group_id}"
         assert request.num_computed_tokens <= (request.num_tokens + request.num_output_placeholders

@@ -83,7 +83,7 @@ def test_async_scheduling_overlaps_the_requests_that_do_not_draft(monkeypatch, p
     drafts follow that token) and speculates; where they do not pay (a compute-bound batch) it
     is scheduled again with its token in flight, as without speculation. Either way it streams
     what the model samples (`check_scenario`)."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts",
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts",
                         lambda k, *_: k if pays else 0)
     overlapped: list[str] = []
     original = Scheduler.schedule

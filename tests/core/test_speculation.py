@@ -159,10 +159,10 @@ def test_proposing_stops_at_the_steps_time_budget(monkeypatch) -> None:
     """Past PROPOSE_SECONDS of lookups in a step, requests decode a token (their tokens are
     the same either way): an engine thread's step time has a bound whatever texts make the
     lookups cost."""
-    import aserve.core.scheduler as scheduler_module
+    import aserve.core.spec_policy as spec_policy_module
 
     def run(budget: float) -> tuple[dict[str, list[int]], int]:
-        monkeypatch.setattr(scheduler_module, "PROPOSE_SECONDS", budget)
+        monkeypatch.setattr(spec_policy_module, "PROPOSE_SECONDS", budget)
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
                                  max_model_len=100,
                                  speculative=SpeculativeConfig(prompt_lookup_min=1))
@@ -193,10 +193,11 @@ def test_a_new_request_starts_from_every_requests_rate_once_there_is_one() -> No
     requests = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=20))
                 for i in range(4)]
     scheduler.running = list(requests)  # four decoding: a draft pays while α (8 + 4) > 4
-    assert scheduler._num_drafts(requests[0]) > 0  # nothing verified yet: α = 1
-    scheduler.spec_num_draft_tokens, scheduler.spec_accepted_per_pos = 100, [4, 0, 0]
-    assert scheduler._num_drafts(requests[0]) == 0 and not scheduler._drafting_pays()
-    scheduler.spec_accepted_per_pos = [50, 20, 10]
-    assert scheduler._num_drafts(requests[0]) > 0 and scheduler._drafting_pays()
+    spec, running = scheduler.spec, scheduler.running
+    assert spec.drafts_for(requests[0], 4) > 0  # nothing verified yet: α = 1
+    spec.num_draft_tokens, spec.accepted_per_pos = 100, [4, 0, 0]
+    assert spec.drafts_for(requests[0], 4) == 0 and not spec.drafting_pays(running)
+    spec.accepted_per_pos = [50, 20, 10]
+    assert spec.drafts_for(requests[0], 4) > 0 and spec.drafting_pays(running)
     requests[0].spec_acceptance = 0.05  # its own rate, once it has one, decides
-    assert scheduler._num_drafts(requests[0]) == 0
+    assert spec.drafts_for(requests[0], 4) == 0

@@ -22,7 +22,7 @@ def every_draft_proposed(monkeypatch):
     """The cost policy drafts by the step times it measures, so how many drafts a run
     verifies would depend on the host's moment: lifted here, where the tests count them
     (tests/core/test_speculation.py tests the policy)."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
 
 
 def prompts(count: int = 6) -> list[dict]:

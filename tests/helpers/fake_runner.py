@@ -258,14 +258,14 @@ class FakeRunner:
 
     def _draft(self, req_id: str, count: int) -> list[int]:
         """A draft model's `count` drafts after a sampled token (at most the scheduler's
-        `num_lookahead`):
+        `spec.num_lookahead`):
         the model's own next tokens but every third position, which is off by one, as far as
         the request's blocks reach (the scheduler's lookahead, where it fit), within
         max_model_len."""
         state, size = self.states[req_id], self.block_size
         start = len(state.tokens) - 1  # the sampled token's position: the first pass writes it
         drafts = []
-        assert count <= self.scheduler.num_lookahead
+        assert count <= self.scheduler.spec.num_lookahead
         for j in range(count):
             position = start + j
             if position >= self.scheduler.config.max_model_len - 1:

@@ -309,7 +309,7 @@ def test_a_speculating_consumer_decodes_what_hf_does(llama, monkeypatch, spec):
     """A consumer that speculates: the prompt's K/V comes from the producer, drafts are
     verified over it (a draft model, here the target itself, has no K/V of the loaded prefix:
     its drafts there are worse, never wrong); greedy as HF's, every block given back."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
     model_dir, prompts, expected = llama
     if spec == "draft_model":
         spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}

@@ -26,7 +26,7 @@ AUX = [0, 2, 3]  # (layer 0's input: the embedding, to cover the stream before a
 def every_draft_proposed(monkeypatch):
     """The cost policy drafts by measured step times: lifted, so that the head keeps its K/V
     at every step and drafts as asked (tests/core/test_speculation.py tests the policy)."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ def test_greedy_with_drafts_matches_hf(model_dir_factory, tmp_path, monkeypatch,
     expected = hf_greedy(model_dir, prompts, NUM_NEW)
     own_draft = case not in SLIDING_CASES
     if method in ("draft_model", "eagle"):
-        monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+        monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
     spec = {"ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 4},
             "draft_model": {"method": "draft_model", "num_speculative_tokens": 3,
                             "model": str(model_dir if own_draft
@@ -86,7 +86,7 @@ def test_constrained_requests_speculate_within_their_grammars(llama_dir, tmp_pat
     other one; a random reply is still valid JSON. Each method: the lookups, the target as
     its own draft model (its drafts ignore the grammar), an EAGLE head (the policy lifted:
     the drafters keep up at every step)."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
     spec = {"ngram": NGRAM, "suffix": {"method": "suffix", "num_speculative_tokens": 4},
             "draft_model": {"method": "draft_model", "model": str(llama_dir),
                             "num_speculative_tokens": 3},
@@ -144,7 +144,7 @@ def test_a_draft_model_beside_a_hybrid_target(model_dir_factory, monkeypatch) ->
     vocabulary) reads the full-attention group's tables; greedy as HF's. A draft model with
     sliding windows, or a target without a full-attention group, is refused. (The cost
     policy is lifted: a draft this size never pays.)"""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
     arch, overrides = SLIDING_CASES["gemma2"]
     target = model_dir_factory(arch, **overrides)
     draft = model_dir_factory("llama", seed=3)

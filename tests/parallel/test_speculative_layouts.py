@@ -26,7 +26,7 @@ LAYOUTS = {"tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size":
 @pytest.fixture(autouse=True)
 def every_draft_proposed(monkeypatch):
     """The cost policy lifted: the drafter keeps up at every step and drafts as asked."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ def test_verification_steps_replay_graphs_of_their_own(model_dir_factory, monkey
     (padding requests of 1 + k rows write no K/V): greedy as eager. The model is its own
     draft model, so every request has k drafts at every step (n-gram drafts of a random
     model come in every count, and those steps run eagerly)."""
-    monkeypatch.setattr("aserve.core.scheduler.worthwhile_drafts", lambda k, *_: k)
+    monkeypatch.setattr("aserve.core.spec_policy.worthwhile_drafts", lambda k, *_: k)
     model_dir = model_dir_factory("llama")
     spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": str(model_dir)}
     rng = random.Random(1)
