@@ -54,6 +54,8 @@ class KVCacheCoordinator:
             for group_id, group in enumerate(groups)]
         # Every group keeps all its blocks: then `covers` can tell that a request needs nothing
         self._all_full = all(isinstance(m, FullAttentionManager) for m in self.managers)
+        # What a request that needs no block gets back (most decodes): shared, read-only
+        self.no_new_blocks: tuple[Sequence[int], ...] = tuple(() for _ in self.managers)
 
     @property
     def num_groups(self) -> int:
@@ -123,12 +125,12 @@ class KVCacheCoordinator:
         behind; whoever reads them extends them first.)"""
         if not self._all_full:
             return False
-        num_full = num_tokens // self.block_size
+        size, caching = self.block_size, self.pool.enable_caching
+        num_full = num_tokens // size
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(req_id)
-            if (blocks is None or len(blocks) * self.block_size < num_tokens
-                    or (self.pool.enable_caching
-                        and num_full > manager.num_cached_blocks.get(req_id, 0))):
+            if (blocks is None or len(blocks) * size < num_tokens
+                    or (caching and num_full > manager.num_cached_blocks.get(req_id, 0))):
                 return False
         return True
 

@@ -85,11 +85,12 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: GroupBlocks | None = None,
         num_external_tokens: int = 0,
-    ) -> tuple[list[int], ...] | None:
+    ) -> tuple[Sequence[int], ...] | None:
         """Grow the request's blocks in every group to cover its computed, newly cached and new
         tokens, first freeing the blocks its sliding groups no longer read.
 
-        Returns the ids of the blocks allocated per group (not `new_computed_blocks`), or None,
+        Returns the ids of the blocks allocated per group (not `new_computed_blocks`; where
+        none is needed, one shared tuple of empty ones: read-only), or None,
         changing nothing, when too few blocks are free. A free block in `new_computed_blocks`
         leaves the free queue when taken, so it does not count as available for new blocks.
         `num_external_tokens`: tokens past the hit a KV connector will load into the new
@@ -100,7 +101,7 @@ class KVCacheManager:
                       + num_external_tokens)
         if new_computed_blocks is None and self.coordinator.covers(request.request_id,
                                                                    num_tokens):
-            return self.coordinator.empty_blocks()  # nothing to do: no new block ids
+            return self.coordinator.no_new_blocks  # nothing to do: no new block ids
         is_new = not self.coordinator.holds(request.request_id)
         new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
                                                      delay_cache_blocks=num_external_tokens > 0)

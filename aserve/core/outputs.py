@@ -14,6 +14,7 @@ positions are outside every window, so attention never reads them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -37,7 +38,7 @@ class NewRequestData:
 
 class CachedRequestData(NamedTuple):  # a tuple: one a running request a step, built fast
     req_id: str
-    new_block_ids: tuple[list[int], ...]  # per group: appended to the runner's tables
+    new_block_ids: tuple[Sequence[int], ...]  # per group: appended to the runner's tables
     num_computed_tokens: int
 
 

@@ -25,7 +25,7 @@ per KV cache group: the `KVCacheManager` answers for every group at once. A KV c
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_coordinator import GroupBlocks
@@ -336,6 +336,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         all_prompt_logprobs, all_logprobs = runner_output.prompt_logprobs, runner_output.logprobs
         all_drafts = scheduler_output.scheduled_spec_decode_tokens
+        all_accepted = runner_output.num_accepted_drafts
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = requests.get(req_id)
@@ -353,17 +354,18 @@ class Scheduler:
                 request.num_output_placeholders -= 1
             new_token_ids = spec.verified_tokens(
                 request, all_drafts.get(req_id) if all_drafts else None,
-                runner_output.num_accepted_drafts.get(req_id, 0), token_id)
-            kv_transfer_params, appended = None, 0
-            for new_token_id in new_token_ids:
+                all_accepted.get(req_id, 0) if all_accepted else 0, token_id)
+            kv_transfer_params = None
+            for appended, new_token_id in enumerate(new_token_ids, 1):
                 request.append_output_token(new_token_id)
-                appended += 1
                 if request.check_stop(new_token_id, max_model_len):
                     self.running.remove(request)
                     kv_transfer_params = self._free(request)
+                    if appended < len(new_token_ids):  # drafts past the stop are dropped
+                        new_token_ids = new_token_ids[:appended]
                     break
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids[:appended],
+                req_id, new_token_ids,
                 all_logprobs.get(req_id) if all_logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
@@ -380,13 +382,12 @@ class Scheduler:
                 for request in self.finish_requests([req_id], RequestStatus.FINISHED_STOPPED)]
 
     def _allocate(self, request: Request, num_new: int, num_cached: int = 0,
-                  cached_blocks: GroupBlocks | None = None) -> tuple[list[int], ...] | None:
+                  cached_blocks: GroupBlocks | None = None) -> tuple[Sequence[int], ...] | None:
         """`allocate_slots` for `num_new` tokens, with a draft model's lookahead slots
         (`SpecPolicy.lookahead`) where they fit, else without them (its passes then stop short)."""
         kv = self.kv_cache_manager
-        lookahead = self.spec.lookahead(request, request.num_computed_tokens + num_cached,
-                                        num_new)
-        if lookahead:
+        if self.spec.num_lookahead and (lookahead := self.spec.lookahead(
+                request, request.num_computed_tokens + num_cached, num_new)):
             block_ids = kv.allocate_slots(request, num_new + lookahead, num_cached,
                                           cached_blocks)
             if block_ids is not None:

@@ -19,6 +19,8 @@ one `schedule()` call, which then turns it into a `SchedulerOutput`; it reads a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from aserve.core.request import Request
 from aserve.core.step_cost import attention_keys, tokens_within
 
@@ -27,9 +29,11 @@ def is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
     """Whether `num_new` tokens from `num_computed` on are a prefill chunk (prompt, or the
     recomputation of a preempted request), not a decode's one token past the prompt (with its
     drafts, under speculative decoding)."""
-    if num_computed < request.num_prompt_tokens:
+    if num_computed < len(request.prompt_token_ids):
         return True
-    drafts = len(request.spec_token_ids) if num_computed + 1 == request.num_tokens else 0
+    if num_new == 1:  # (most calls: one token past the prompt)
+        return False
+    drafts = len(request.spec_token_ids) if num_computed + 1 == len(request.all_token_ids) else 0
     return num_new > 1 + drafts
 
 
@@ -41,7 +45,7 @@ class StepPlan:
         self.key_cost_tokens = key_cost_tokens
         # In batch order: running requests first, then admitted ones.
         self.num_scheduled: dict[str, int] = {}
-        self.new_block_ids: dict[str, tuple[list[int], ...]] = {}  # running requests' only
+        self.new_block_ids: dict[str, tuple[Sequence[int], ...]] = {}  # running requests' only
         self.admitted: list[Request] = []
         self.preempted: list[Request] = []
         self.num_decodes = 0
@@ -57,7 +61,7 @@ class StepPlan:
             within = 1
         return min(self.num_tokens, within)
 
-    def schedule(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...]
+    def schedule(self, request: Request, num_tokens: int, block_ids: tuple[Sequence[int], ...]
                  ) -> None:
         self.num_scheduled[request.request_id] = num_tokens
         self.new_block_ids[request.request_id] = block_ids

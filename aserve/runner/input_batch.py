@@ -64,12 +64,13 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    num_computed = np.fromiter((s.num_computed_tokens for s in states), np.int32, num_reqs)
+    computed = [s.num_computed_tokens for s in states]  # (Python ints for the loops below)
+    num_computed = np.array(computed, dtype=np.int32)
     seq_lens = num_computed + query_lens  # [num_reqs]
 
-    if all(n == 1 for n in num_scheduled):  # decode-only step: one token each
-        input_ids = np.fromiter((s.all_token_ids[c] for s, c in zip(states, num_computed)),
-                                np.int64, num_reqs)
+    if query_start_loc[-1] == num_reqs:  # decode-only step: one token each (none has 0)
+        input_ids = np.array([s.all_token_ids[c] for s, c in zip(states, computed)],
+                             dtype=np.int64)
         positions = num_computed.astype(np.int64)
     else:
         input_ids = np.concatenate([
@@ -88,16 +89,17 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    sample_req_indices = [i for i, s in enumerate(states)
-                          if seq_lens[i] == s.num_tokens + (len(drafts[i]) if drafts else 0)]
+    sample_req_indices = [
+        i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
+        if c + n == len(s.all_token_ids) + (len(drafts[i]) if drafts else 0)]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
-    for i, (state, c, n) in enumerate(zip(states, num_computed, num_scheduled)):
+    for i, (state, c, n) in enumerate(zip(states, computed, num_scheduled)):
         if state.sampling_params.prompt_logprobs is None:
             continue
-        end = min(int(c) + n, state.num_prompt_tokens - 1)
+        end = min(c + n, state.num_prompt_tokens - 1)
         if c < end:
-            spans.append((i, int(c), end - int(c)))
+            spans.append((i, c, end - c))
             rows.append(np.arange(query_start_loc[i], query_start_loc[i] + end - c))
     spec_drafts = [(i, d) for i, d in enumerate(drafts) if d] if drafts else []
     for i, d in spec_drafts:  # rows at the last known token and the drafts but the last

@@ -236,18 +236,15 @@ class ModelRunner:
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 sampling_params=new.sampling_params,
-                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 output_token_ids=list(new.output_token_ids),
                 stop_token_ids=new.stop_token_ids,
                 compiled_grammar=new.grammar,
                 pooling_params=new.pooling_params,
             )
+        requests = self.requests
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
-            for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
-                ids.extend(new_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
 
     # ------------------------------------------------------------------ step
 

@@ -1,4 +1,5 @@
-"""The runner's own copy of one running request (docs/design.md §4): tokens, blocks, sampling."""
+"""The runner's own copy of one running request (docs/design.md §4): tokens and sampling (its
+blocks: a row of the runner's `BlockTables`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    # Per KV cache group, as the scheduler sent them; a step's tables are gathered from the
-    # runner's `BlockTables`, which holds the same ids in rows
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
+    num_computed_tokens: int  # (its block ids: a row of the runner's `BlockTables`)
     output_token_ids: list[int] = field(default_factory=list)
     # The engine's (`core.Request`): the ids that end it (its stop_token_ids, and EOS unless
     # ignore_eos), and its constraint compiled for the model's tokenizer

@@ -52,7 +52,7 @@ def make_logits(shape: str, rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def metadata(rows: int, vocab: int, params: dict) -> SamplingMetadata:
-    states = [CachedRequestState(f"r{i}", [1, 2, 3], SamplingParams(**params), (), 3)
+    states = [CachedRequestState(f"r{i}", [1, 2, 3], SamplingParams(**params), 3)
               for i in range(rows)]
     return SamplingMetadata.build(states, vocab, "cpu",
                                   generator=torch.Generator().manual_seed(0))

@@ -40,7 +40,7 @@ def schedule(manager: KVCacheManager, request: Request, num_new_tokens: int) -> 
     if new_ids is not None:
         request.num_computed_tokens += num_new_tokens
     manager.check_invariants()
-    return None if new_ids is None else new_ids[0]
+    return None if new_ids is None else list(new_ids[0])
 
 
 def held(manager: KVCacheManager) -> dict:

@@ -40,7 +40,7 @@ def state(prompt=(1, 2, 3), output=(), req_id="r", eos_token_ids=(), **params
     if not sampling_params.ignore_eos:
         stop_ids.update(eos_token_ids)
     return CachedRequestState(req_id=req_id, prompt_token_ids=list(prompt),
-                              sampling_params=sampling_params, block_ids=[],
+                              sampling_params=sampling_params,
                               num_computed_tokens=len(prompt), output_token_ids=list(output),
                               stop_token_ids=frozenset(stop_ids))
 

@@ -18,7 +18,7 @@ VOCAB = 8
 
 def metadata_for(params: list[SamplingParams], generator: torch.Generator
                  ) -> SamplingMetadata:
-    states = [CachedRequestState(str(i), [1], p, ([],), 0) for i, p in enumerate(params)]
+    states = [CachedRequestState(str(i), [1], p, 0) for i, p in enumerate(params)]
     return SamplingMetadata.build(states, VOCAB, "cpu", generator=generator)
 
 
