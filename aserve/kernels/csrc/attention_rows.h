@@ -193,12 +193,49 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
 
 #ifdef ASERVE_AVX2
 // The same tasks on AVX2 hosts (whose whole-layer call needs them): per (tile, kv head) task,
-// each row in turn, float32 throughout, 8 lanes wide. A key's row is made float once and
-// serves the G query heads (scores q k * scale, soft-capped); each head's softmax runs over
-// the row's own keys (and its sink) in vectors of 8 from its first key, exp8; a value's row
-// is made float once and added into the G heads' float sums; one rounding to bf16. A row's
-// sums run in the same order whatever tile it lands in, so rows stay batch-invariant.
+// each row in turn, float32 throughout, 8 lanes wide. Scores 8 keys at a time: each key's
+// dot product with a query head in one FMA chain over head_dim's vectors (the K rows made float
+// as they are read), the 8 chains summed across lanes at once (`sum8x8`: key k in lane k; a
+// row's last keys padded with copies of its last one, their lanes unused), scaled and
+// soft-capped; each head's softmax runs over the row's own keys (and its sink) in vectors of 8
+// from its first key, exp8; the weighted values 4 vectors of head_dim at a time (`weigh_values`:
+// two heads' sums in registers over the row's keys), one rounding to bf16. Every sum of a row
+// runs in the same order whatever tile it lands in, so rows stay batch-invariant.
 constexpr int64_t kAheadAvx2 = 16;  // keys fetched ahead of the score pass
+
+// The horizontal sums of s[0..7] as one vector: lane k holds the sum of s[k]'s lanes, always
+// added as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
+static inline __m256 sum8x8(const __m256* s) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out_h[8 c0 .. 8 (c0 + C)) = bf16(inv_h sum_t p_h[t] v_t) for heads h of [g0, g0 + H), over
+// `count` keys whose V rows start at vc + offs[t] (p_h: head h's probabilities, `stride` apart).
+template <int C, int H>
+static inline void weigh_values(const float* p, int64_t stride, const at::BFloat16* vc,
+                                const int64_t* offs, int64_t count, int64_t c0,
+                                const float* inv, at::BFloat16* dst, int64_t d) {
+  __m256 o[H][C];
+  ASERVE_UNROLL for (int h = 0; h < H; ++h)
+    ASERVE_UNROLL for (int i = 0; i < C; ++i) o[h][i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < count; ++t) {
+    const at::BFloat16* v = vc + offs[t] + 8 * c0;
+    __m256 w[H];
+    ASERVE_UNROLL for (int h = 0; h < H; ++h) w[h] = _mm256_broadcast_ss(p + h * stride + t);
+    ASERVE_UNROLL for (int i = 0; i < C; ++i) {
+      const __m256 x = load8_bf16(v + 8 * i);
+      ASERVE_UNROLL for (int h = 0; h < H; ++h) o[h][i] = _mm256_fmadd_ps(w[h], x, o[h][i]);
+    }
+  }
+  ASERVE_UNROLL for (int h = 0; h < H; ++h) {
+    const __m256 scale = _mm256_set1_ps(inv[h]);
+    ASERVE_UNROLL for (int i = 0; i < C; ++i)
+      store8_bf16(dst + h * d + 8 * (c0 + i), _mm256_mul_ps(o[h][i], scale));
+  }
+}
 
 static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int32_t* table,
@@ -209,7 +246,7 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
   const int64_t group = hq / hkv, num_tasks = num_tiles * hkv, nv = d / 8;
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<__m256> qf(group * nv), acc(group * nv), row(nv);
+    std::vector<__m256> qf(group * nv);
     std::vector<float> scores, inv(group);  // scores [group][n rounded up to 8]
     std::vector<int64_t> offs;
     for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
@@ -235,26 +272,29 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
           for (int64_t i = 0; i < nv; ++i)
             qf[g * nv + i] = _mm256_mul_ps(load8_bf16(qj + 8 * i), scaled);
         }
-        for (int64_t t = a; t < e; ++t) {  // scores, each head's from index a of its row
-          const at::BFloat16* k = kc + offs[t];
-          if (t + kAheadAvx2 < e) {  // scattered rows: fetch K and V ahead
-            const int64_t ahead = offs[t + kAheadAvx2];
-            for (int64_t b = 0; b < d; b += 32) {
-              _mm_prefetch(reinterpret_cast<const char*>(kc + ahead + b), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(vc + ahead + b), _MM_HINT_T1);
+        for (int64_t t = a; t < e; t += 8) {  // scores of keys t .. t + 7, each head's from a
+          for (int64_t u = t + kAheadAvx2; u < std::min(e, t + kAheadAvx2 + 8); ++u) {
+            for (int64_t b = 0; b < d; b += 32) {  // scattered rows: fetch K and V ahead
+              _mm_prefetch(reinterpret_cast<const char*>(kc + offs[u] + b), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(vc + offs[u] + b), _MM_HINT_T1);
             }
           }
-          for (int64_t i = 0; i < nv; ++i) row[i] = load8_bf16(k + 8 * i);
+          const at::BFloat16* k[8];
+          ASERVE_UNROLL for (int c = 0; c < 8; ++c) k[c] = kc + offs[std::min(t + c, e - 1)];
           for (int64_t g = 0; g < group; ++g) {
             const __m256* qg = qf.data() + g * nv;
-            __m256 s0 = _mm256_mul_ps(qg[0], row[0]), s1 = _mm256_mul_ps(qg[1], row[1]);
-            for (int64_t i = 2; i < nv; i += 2) {
-              s0 = _mm256_fmadd_ps(qg[i], row[i], s0);
-              s1 = _mm256_fmadd_ps(qg[i + 1], row[i + 1], s1);
+            __m256 sums[8];
+            ASERVE_UNROLL for (int c = 0; c < 8; ++c) sums[c] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < nv; ++i) {
+              const __m256 x = qg[i];
+              ASERVE_UNROLL for (int c = 0; c < 8; ++c)
+                sums[c] = _mm256_fmadd_ps(x, load8_bf16(k[c] + 8 * i), sums[c]);
             }
-            float sum = sum8(_mm256_add_ps(s0, s1));
-            if (soft_cap > 0.f) sum = soft_cap * std::tanh(sum / soft_cap);
-            scores[g * stride + t - a] = sum;
+            float* s = scores.data() + g * stride + t - a;  // (8 lanes fit: stride >= n)
+            _mm256_storeu_ps(s, sum8x8(sums));
+            if (soft_cap > 0.f)
+              for (int64_t c = 0; c < std::min<int64_t>(8, e - t); ++c)
+                s[c] = soft_cap * std::tanh(s[c] / soft_cap);
           }
         }
         for (int64_t g = 0; g < group; ++g) {  // probabilities, unnormalized, and their total
@@ -276,23 +316,15 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
           if (sinks) sum += std::exp(sinks[head] - top);
           inv[g] = 1.f / sum;
         }
-        std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-        for (int64_t t = a; t < e; ++t) {  // weighted values
-          const at::BFloat16* v = vc + offs[t];
-          for (int64_t i = 0; i < nv; ++i) row[i] = load8_bf16(v + 8 * i);
-          for (int64_t g = 0; g < group; ++g) {
-            const __m256 p = _mm256_set1_ps(scores[g * stride + t - a]);
-            __m256* o = acc.data() + g * nv;
-            for (int64_t i = 0; i < nv; ++i) o[i] = _mm256_fmadd_ps(p, row[i], o[i]);
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          alignas(32) float y[8];
-          at::BFloat16* dst = out + ((row0 + j) * hq + h * group + g) * d;
-          const __m256 scale_g = _mm256_set1_ps(inv[g]);
-          for (int64_t i = 0; i < nv; ++i) {
-            _mm256_store_ps(y, _mm256_mul_ps(acc[g * nv + i], scale_g));
-            for (int k = 0; k < 8; ++k) dst[8 * i + k] = at::BFloat16(y[k]);
+        at::BFloat16* dst = out + ((row0 + j) * hq + h * group) * d;
+        const int64_t* row_offs = offs.data() + a;
+        for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // weighted values: two heads at a time
+          const bool whole = nv - c0 >= 4;  // else the last 2 vectors (nv is even)
+          for (int64_t g = 0; g < group; g += 2) {
+            const float* p = scores.data() + g * stride;
+            auto weigh = g + 2 <= group ? (whole ? weigh_values<4, 2> : weigh_values<2, 2>)
+                                        : (whole ? weigh_values<4, 1> : weigh_values<2, 1>);
+            weigh(p, stride, vc, row_offs, count, c0, &inv[g], dst + g * d, d);
           }
         }
       }
