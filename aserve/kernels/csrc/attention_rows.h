@@ -258,9 +258,9 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
       const int32_t* blocks = table + r * table_stride;
       offs.resize(n);
       scores.resize(group * stride);
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t key = first + t;
-        offs[t] = ((static_cast<int64_t>(blocks[key / bs]) * bs + key % bs) * hkv + h) * d;
+      for (int64_t t = 0, block = first / bs, slot = first % bs; t < n; ++t) {
+        offs[t] = ((static_cast<int64_t>(blocks[block]) * bs + slot) * hkv + h) * d;
+        if (++slot == bs) slot = 0, ++block;
       }
       const __m256 scaled = _mm256_set1_ps(scale);
       for (int64_t j = 0; j < rows; ++j) {
