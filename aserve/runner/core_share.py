@@ -18,10 +18,13 @@ cores (ranks of one node split the cores among themselves).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
 
 INTERVAL = 1.0  # seconds between readings
 ENV = "ASERVE_SHARE_CORES"
@@ -90,6 +93,8 @@ class CoreShare:
         if target == self.threads:
             self._proposed = None
         elif target == self._proposed:
+            logger.info("CPU threads %d -> %d: other processes keep %.2f of the %d cores busy",
+                        self.threads, target, others, len(self.cpus))
             self.threads, self._proposed = target, None
             self._set_threads(target)
         else:

@@ -34,7 +34,8 @@ class Machine:
                          clock=lambda: self.now, ticks_per_second=HZ)
 
 
-def test_the_team_shrinks_beside_a_busy_process_and_grows_back_when_it_leaves() -> None:
+def test_the_team_shrinks_beside_a_busy_process_and_grows_back_when_it_leaves(caplog) -> None:
+    caplog.set_level("INFO", logger="aserve.runner.core_share")
     m = Machine()
     share = m.share()
     for _ in range(5):  # alone: every core its own
@@ -47,6 +48,7 @@ def test_the_team_shrinks_beside_a_busy_process_and_grows_back_when_it_leaves() 
     m.run(INTERVAL, others=0.7, own=1.3)  # ... the second, agreeing, sets it
     share.step()
     assert m.set == [1] and share.threads == 1
+    assert "CPU threads 2 -> 1: other processes keep 0.70 of the 2 cores busy" in caplog.text
     for _ in range(3):
         m.run(INTERVAL, others=1.0, own=1.0)
         share.step()
