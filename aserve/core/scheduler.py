@@ -386,8 +386,9 @@ class Scheduler:
         """`allocate_slots` for `num_new` tokens, with a draft model's lookahead slots
         (`SpecPolicy.lookahead`) where they fit, else without them (its passes then stop short)."""
         kv = self.kv_cache_manager
-        if self.spec.num_lookahead and (lookahead := self.spec.lookahead(
-                request, request.num_computed_tokens + num_cached, num_new)):
+        lookahead = self.spec.lookahead(request, request.num_computed_tokens + num_cached,
+                                        num_new)
+        if lookahead:
             block_ids = kv.allocate_slots(request, num_new + lookahead, num_cached,
                                           cached_blocks)
             if block_ids is not None:
