@@ -116,6 +116,9 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         if args.warmup and self.kv_connector is None:
             self._warm_up(args)
+        # (after the warm-up: the kernels' plans and buffers it made are startup objects too)
+        logger.debug("%d objects frozen out of the cyclic GC",
+                     self.executor.freeze_startup_heap())
 
     def _warm_up(self, args: EngineArgs) -> None:
         """Run two dummy prompts through the engine before it serves: one of the whole step

@@ -33,7 +33,7 @@ from aserve.distributed import (
     send_control,
     shutdown_distributed,
 )
-from aserve.executor.base import Executor
+from aserve.executor.base import Executor, StartupHeap
 from aserve.executor.messages import (
     KVConnectorReport,
     KVConnectorStep,
@@ -77,6 +77,7 @@ def worker_main(spec: WorkerSpec, distributed: DistributedConfig, threads: int) 
     worker = None
     try:
         worker = spec.build(distributed)
+        StartupHeap.freeze()  # (this process's own: it ends with the rank)
         while handle(worker, recv_control()):
             pass
     finally:

@@ -213,3 +213,35 @@ def test_engine_state_lives_on_the_engine_request_not_on_the_users_params(llm):
     assert params == before
     user_fields = {f.name for f in dataclasses.fields(SamplingParams)}
     assert not user_fields & {"eos_token_ids", "compiled_grammar", "grammar"}
+
+
+FREEZE_SCRIPT = """
+import gc, sys
+from aserve import LLM, SamplingParams
+
+def frozen(obj):  # the permanent generation is not among gc.get_objects()'s
+    return not any(o is obj for o in gc.get_objects())
+
+kept = [bytearray(3)]  # alive before any engine: part of the startup heap
+assert not frozen(kept)
+first = LLM(sys.argv[1], dtype="float32", max_model_len=64)
+assert frozen(kept) and gc.get_freeze_count() > 1000
+second = LLM(sys.argv[1], dtype="float32", max_model_len=64)
+first.shutdown()
+assert frozen(kept)  # the second engine still holds the freeze
+out = second.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+assert len(out[0].outputs[0].token_ids) == 4
+second.shutdown()
+assert not frozen(kept) and gc.get_freeze_count() == 0  # the last one thawed everything
+print("ok")
+"""
+
+
+@pytest.mark.spawns
+def test_warm_engines_freeze_the_startup_heap_until_the_last_shuts_down(model_dir_factory):
+    # A full collection otherwise walks every import, module and weight again: ~200 ms of
+    # the whole process stalled on a 2-core host (benchmarks/studies/gc_heap.py). In a clean
+    # process: the suite's own engines hold freezes of their own.
+    result = subprocess.run([sys.executable, "-c", FREEZE_SCRIPT, model_dir_factory("llama")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]
