@@ -42,6 +42,8 @@ def gather_rows(hidden: torch.Tensor, indices: np.ndarray, num_rows: int) -> tor
     of (`hidden`: this rank's [chunk, H]) -> [len(indices), H], in `indices`' order, on every
     SP rank."""
     size = get_sp_size()
+    if size == 1 and len(indices) == num_rows and np.array_equal(indices, np.arange(num_rows)):
+        return hidden  # every row, in order (a decode-only step): no copy
     if size == 1 or len(indices) == 0:  # (every SP rank has the same indices)
         return hidden[torch.from_numpy(indices).to(hidden.device)] if size == 1 else hidden[:0]
     chunk = chunk_size(num_rows, size)

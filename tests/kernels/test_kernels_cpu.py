@@ -30,6 +30,40 @@ def test_cpu_kernel_matches_the_reference(dtype, tol, num_heads, num_kv_heads, h
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (16, 2, 80), (4, 4, 32)])
+def test_a_row_attends_to_the_same_bits_alone_and_among_many(num_heads, num_kv_heads,
+                                                               head_dim):
+    """A call of many tiles runs each task over all of a tile's kv heads, one of a few tiles a
+    task per kv head (AVX2): each decode row's output must be the same bits either way."""
+    from aserve.kernels.cpu_attention import plan_tiles
+
+    if not _row_tiles(num_heads, head_dim):
+        pytest.skip("the row-tile kernel is not built here")
+    gen = torch.Generator().manual_seed(3)
+    bs, per_req, num_reqs = 16, 12, 8
+    kc = torch.randn(num_reqs * per_req, bs, num_kv_heads, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(kc.shape, generator=gen).bfloat16()
+    table = torch.arange(num_reqs * per_req, dtype=torch.int32).reshape(num_reqs, per_req)
+    table = table[torch.randperm(num_reqs, generator=gen)].contiguous()
+    lens = np.array([37 + 19 * r for r in range(num_reqs)])
+    starts = np.arange(num_reqs + 1)
+    q = torch.randn(num_reqs, num_heads, head_dim, generator=gen).bfloat16()
+    kernel, scale = load_kernel(), head_dim**-0.5
+    tiles, _ = plan_tiles(starts, lens)
+    together = torch.zeros_like(q)
+    kernel.attend_rows(q, kc, vc, table, tiles, together, scale, 0, 0.0, None)
+    for r in (0, 5):
+        alone = torch.zeros_like(q)
+        kernel.attend_rows(q, kc, vc, table, tiles[tiles[:, 0] == r].contiguous(), alone,
+                           scale, 0, 0.0, None)
+        assert torch.equal(alone[r], together[r])
+    want = expected(q.double(), torch.from_numpy(starts), [
+        kc[table[r].long()].flatten(0, 1)[:lens[r]].double() for r in range(num_reqs)], [
+        vc[table[r].long()].flatten(0, 1)[:lens[r]].double() for r in range(num_reqs)],
+        scale, None, None)
+    torch.testing.assert_close(together.double(), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("window,soft_cap", [(5, None), (1, None), (None, 2.0), (8, 3.0)])
 def test_cpu_kernel_sliding_window_and_soft_cap(window, soft_cap):
     q, kc, vc, starts, lens, table, _, _ = make_batch(DECODES, 8, 2, 32, 4)

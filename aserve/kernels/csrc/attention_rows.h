@@ -192,15 +192,17 @@ static void attend_tiles_bf16(const at::BFloat16* q, const at::BFloat16* kc,
 #endif
 
 #ifdef ASERVE_AVX2
-// The same tasks on AVX2 hosts (whose whole-layer call needs them): per (tile, kv head) task,
-// each row in turn, float32 throughout, 8 lanes wide. Scores 8 keys at a time: each key's
-// dot product with a query head in one FMA chain over head_dim's vectors (the K rows made float
-// as they are read), the 8 chains summed across lanes at once (`sum8x8`: key k in lane k; a
-// row's last keys padded with copies of its last one, their lanes unused), scaled and
-// soft-capped; each head's softmax runs over the row's own keys (and its sink) in vectors of 8
-// from its first key, exp8; the weighted values 4 vectors of head_dim at a time (`weigh_values`:
-// two heads' sums in registers over the row's keys), one rounding to bf16. Every sum of a row
-// runs in the same order whatever tile it lands in, so rows stay batch-invariant.
+// The same tiles on AVX2 hosts (whose whole-layer call needs them): per (tile, kv heads)
+// task, each row in turn, float32 throughout, 8 lanes wide. Scores 8 keys at a time: each
+// key's dot product with a query head in one FMA chain over head_dim's vectors (each K vector
+// made float once for up to 3 heads of its group: `score_keys`), the 8 chains summed across
+// lanes at once (`sum8x8`: key k in lane k; a row's last keys padded with copies of its last
+// one, their lanes unused), scaled and soft-capped; each head's softmax runs over the row's
+// own keys (and its sink) in vectors of 8 from its first key, exp8; the weighted values 4
+// vectors of head_dim at a time (`weigh_values`: two heads' sums in registers), 64 keys for
+// every head of the task before the next 64 (their V rows fetched a chunk ahead), one rounding
+// to bf16. Every sum of a row runs in the same order whatever tile and task it lands in, so
+// rows stay batch-invariant.
 constexpr int64_t kAheadAvx2 = 16;  // keys fetched ahead of the score pass
 
 // The horizontal sums of s[0..7] as one vector: lane k holds the sum of s[k]'s lanes, always
@@ -212,15 +214,42 @@ static inline __m256 sum8x8(const __m256* s) {
                        _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out_h[8 c0 .. 8 (c0 + C)) = bf16(inv_h sum_t p_h[t] v_t) for heads h of [g0, g0 + H), over
-// `count` keys whose V rows start at vc + offs[t] (p_h: head h's probabilities, `stride` apart).
+// sums[g][c] = the lanes of head g's dot product with key c (K rows at k[0..7]) for G query
+// heads (qf: their float vectors, nv each), KB keys at a time: each K vector is made float
+// once for the G heads (not once a head), so a group's heads share its conversions. Every
+// (head, key) pair keeps one FMA chain over head_dim in order, as one head at a time would.
+template <int G, int KB>
+static inline void score_keys(const __m256* qf, int64_t nv, const at::BFloat16* const* k,
+                              __m256 (*sums)[8]) {
+  ASERVE_UNROLL for (int k0 = 0; k0 < 8; k0 += KB) {
+    __m256 acc[G][KB];
+    ASERVE_UNROLL for (int g = 0; g < G; ++g)
+      ASERVE_UNROLL for (int c = 0; c < KB; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nv; ++i) {
+      __m256 kv[KB];
+      ASERVE_UNROLL for (int c = 0; c < KB; ++c) kv[c] = load8_bf16(k[k0 + c] + 8 * i);
+      ASERVE_UNROLL for (int g = 0; g < G; ++g) {
+        const __m256 x = qf[g * nv + i];
+        ASERVE_UNROLL for (int c = 0; c < KB; ++c) acc[g][c] = _mm256_fmadd_ps(x, kv[c], acc[g][c]);
+      }
+    }
+    ASERVE_UNROLL for (int g = 0; g < G; ++g)
+      ASERVE_UNROLL for (int c = 0; c < KB; ++c) sums[g][k0 + c] = acc[g][c];
+  }
+}
+
+// acc_h[8 c0 .. 8 (c0 + C)) += sum_t p_h[t] v_t for heads h of [0, H), over `count` keys
+// whose V rows start at vc + offs[t] (p_h: head h's probabilities, `stride` apart; acc_h: its
+// float sums at acc + h * d). The sums go through memory between calls, so a row's keys can
+// be weighed a chunk at a time (every head's chunk while its V rows are in cache): each sum
+// keeps one chain over the row's keys in order, whatever the chunks.
 template <int C, int H>
 static inline void weigh_values(const float* p, int64_t stride, const at::BFloat16* vc,
-                                const int64_t* offs, int64_t count, int64_t c0,
-                                const float* inv, at::BFloat16* dst, int64_t d) {
+                                const int64_t* offs, int64_t count, int64_t c0, float* acc,
+                                int64_t d) {
   __m256 o[H][C];
   ASERVE_UNROLL for (int h = 0; h < H; ++h)
-    ASERVE_UNROLL for (int i = 0; i < C; ++i) o[h][i] = _mm256_setzero_ps();
+    ASERVE_UNROLL for (int i = 0; i < C; ++i) o[h][i] = _mm256_loadu_ps(acc + h * d + 8 * (c0 + i));
   for (int64_t t = 0; t < count; ++t) {
     const at::BFloat16* v = vc + offs[t] + 8 * c0;
     __m256 w[H];
@@ -230,36 +259,47 @@ static inline void weigh_values(const float* p, int64_t stride, const at::BFloat
       ASERVE_UNROLL for (int h = 0; h < H; ++h) o[h][i] = _mm256_fmadd_ps(w[h], x, o[h][i]);
     }
   }
-  ASERVE_UNROLL for (int h = 0; h < H; ++h) {
-    const __m256 scale = _mm256_set1_ps(inv[h]);
-    ASERVE_UNROLL for (int i = 0; i < C; ++i)
-      store8_bf16(dst + h * d + 8 * (c0 + i), _mm256_mul_ps(o[h][i], scale));
-  }
+  ASERVE_UNROLL for (int h = 0; h < H; ++h)
+    ASERVE_UNROLL for (int i = 0; i < C; ++i) _mm256_storeu_ps(acc + h * d + 8 * (c0 + i), o[h][i]);
 }
 
+constexpr int64_t kChunkAvx2 = 64;  // keys weighed for every head of a task before the next
+
+// Tasks are (tile, range of kv heads): every kv head of a tile in one task where the tiles
+// alone keep the threads busy (each key's K and V rows, all heads side by side in the cache,
+// then read once, in order: the head-by-head walk read a third of every line run the
+// prefetcher fetched, 1.49 against 0.91 ms a smol layer of 8 rows x 1,100 keys from memory),
+// one head a task where they do not (a decode of a few rows). Which, changes no bit: every
+// sum keeps its order.
 static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int32_t* table,
                               const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
                               int64_t hq, int64_t hkv, int64_t d, int64_t bs,
                               int64_t table_stride, int64_t q_stride, float scale,
                               int64_t window, float soft_cap, const float* sinks) {
-  const int64_t group = hq / hkv, num_tasks = num_tiles * hkv, nv = d / 8;
+  const int64_t group = hq / hkv, nv = d / 8, threads = at::get_num_threads();
+  const int64_t span = num_tiles >= 2 * threads ? hkv : 1;  // kv heads a task
+  const int64_t ranges = (hkv + span - 1) / span, num_tasks = num_tiles * ranges;
   std::atomic<int64_t> claimed{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<__m256> qf(group * nv);
-    std::vector<float> scores, inv(group);  // scores [group][n rounded up to 8]
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<__m256> qf(span * group * nv);
+    // per query head of the task (kv head, then its group): scores [n rounded up to 8],
+    // 1 / the softmax's total, the weighted values' float sums [d]
+    std::vector<float> scores, inv(span * group), acc(span * group * d);
     std::vector<int64_t> offs;
     for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
-      const int64_t* tile = tiles + 4 * (task / hkv);
-      const int64_t h = task % hkv, r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
+      const int64_t* tile = tiles + 4 * (task / ranges);
+      const int64_t h0 = task % ranges * span, h1 = std::min(hkv, h0 + span);
+      const int64_t heads = (h1 - h0) * group;  // query heads of this task
+      const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
       const int64_t n = len0 + rows - 1 - first;  // keys [first, first + n) cover the tile
       const int64_t stride = (n + 7) / 8 * 8;
       const int32_t* blocks = table + r * table_stride;
       offs.resize(n);
-      scores.resize(group * stride);
+      scores.resize(heads * stride);
       for (int64_t t = 0, block = first / bs, slot = first % bs; t < n; ++t) {
-        offs[t] = ((static_cast<int64_t>(blocks[block]) * bs + slot) * hkv + h) * d;
+        offs[t] = ((static_cast<int64_t>(blocks[block]) * bs + slot) * hkv + h0) * d;
         if (++slot == bs) slot = 0, ++block;
       }
       const __m256 scaled = _mm256_set1_ps(scale);
@@ -267,39 +307,39 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
         const int64_t len = len0 + j;
         const int64_t a = (window > 0 ? std::max<int64_t>(0, len - window) : 0) - first;
         const int64_t e = len - first, count = e - a;
-        for (int64_t g = 0; g < group; ++g) {
-          const at::BFloat16* qj = q + (row0 + j) * q_stride + (h * group + g) * d;
+        for (int64_t x = 0; x < heads; ++x) {  // (the task's query heads are contiguous)
+          const at::BFloat16* qj = q + (row0 + j) * q_stride + (h0 * group + x) * d;
           for (int64_t i = 0; i < nv; ++i)
-            qf[g * nv + i] = _mm256_mul_ps(load8_bf16(qj + 8 * i), scaled);
+            qf[x * nv + i] = _mm256_mul_ps(load8_bf16(qj + 8 * i), scaled);
         }
         for (int64_t t = a; t < e; t += 8) {  // scores of keys t .. t + 7, each head's from a
           for (int64_t u = t + kAheadAvx2; u < std::min(e, t + kAheadAvx2 + 8); ++u) {
-            for (int64_t b = 0; b < d; b += 32) {  // scattered rows: fetch K and V ahead
+            for (int64_t b = 0; b < (h1 - h0) * d; b += 32)  // fetch K ahead
               _mm_prefetch(reinterpret_cast<const char*>(kc + offs[u] + b), _MM_HINT_T0);
-              _mm_prefetch(reinterpret_cast<const char*>(vc + offs[u] + b), _MM_HINT_T1);
-            }
           }
-          const at::BFloat16* k[8];
-          ASERVE_UNROLL for (int c = 0; c < 8; ++c) k[c] = kc + offs[std::min(t + c, e - 1)];
-          for (int64_t g = 0; g < group; ++g) {
-            const __m256* qg = qf.data() + g * nv;
-            __m256 sums[8];
-            ASERVE_UNROLL for (int c = 0; c < 8; ++c) sums[c] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < nv; ++i) {
-              const __m256 x = qg[i];
-              ASERVE_UNROLL for (int c = 0; c < 8; ++c)
-                sums[c] = _mm256_fmadd_ps(x, load8_bf16(k[c] + 8 * i), sums[c]);
+          for (int64_t h = 0; h < h1 - h0; ++h) {
+            const at::BFloat16* k[8];
+            ASERVE_UNROLL for (int c = 0; c < 8; ++c) k[c] = kc + offs[std::min(t + c, e - 1)] + h * d;
+            for (int64_t g0 = 0; g0 < group; g0 += 3) {  // up to 3 heads share K's conversions
+              const int64_t g3 = std::min<int64_t>(3, group - g0);
+              const __m256* qg = qf.data() + (h * group + g0) * nv;
+              __m256 sums[3][8];
+              if (g3 == 3) score_keys<3, 4>(qg, nv, k, sums);
+              else if (g3 == 2) score_keys<2, 4>(qg, nv, k, sums);
+              else score_keys<1, 8>(qg, nv, k, sums);
+              for (int64_t g = 0; g < g3; ++g) {
+                float* s = scores.data() + (h * group + g0 + g) * stride + t - a;  // (8 fit)
+                _mm256_storeu_ps(s, sum8x8(sums[g]));
+                if (soft_cap > 0.f)
+                  for (int64_t c = 0; c < std::min<int64_t>(8, e - t); ++c)
+                    s[c] = soft_cap * std::tanh(s[c] / soft_cap);
+              }
             }
-            float* s = scores.data() + g * stride + t - a;  // (8 lanes fit: stride >= n)
-            _mm256_storeu_ps(s, sum8x8(sums));
-            if (soft_cap > 0.f)
-              for (int64_t c = 0; c < std::min<int64_t>(8, e - t); ++c)
-                s[c] = soft_cap * std::tanh(s[c] / soft_cap);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {  // probabilities, unnormalized, and their total
-          const int64_t head = h * group + g;
-          float* s = scores.data() + g * stride;
+        for (int64_t x = 0; x < heads; ++x) {  // probabilities, unnormalized, and their total
+          const int64_t head = h0 * group + x;
+          float* s = scores.data() + x * stride;
           float top = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < count; ++t) top = std::max(top, s[t]);
           if (sinks) top = std::max(top, sinks[head]);
@@ -314,18 +354,33 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
           float sum = sum8(total);
           for (; t < count; ++t) sum += (s[t] = std::exp(s[t] - top));
           if (sinks) sum += std::exp(sinks[head] - top);
-          inv[g] = 1.f / sum;
+          inv[x] = 1.f / sum;
         }
-        at::BFloat16* dst = out + ((row0 + j) * hq + h * group) * d;
+        std::fill(acc.begin(), acc.begin() + heads * d, 0.f);
         const int64_t* row_offs = offs.data() + a;
-        for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // weighted values: two heads at a time
-          const bool whole = nv - c0 >= 4;  // else the last 2 vectors (nv is even)
-          for (int64_t g = 0; g < group; g += 2) {
-            const float* p = scores.data() + g * stride;
-            auto weigh = g + 2 <= group ? (whole ? weigh_values<4, 2> : weigh_values<2, 2>)
-                                        : (whole ? weigh_values<4, 1> : weigh_values<2, 1>);
-            weigh(p, stride, vc, row_offs, count, c0, &inv[g], dst + g * d, d);
+        for (int64_t k0 = 0; k0 < count; k0 += kChunkAvx2) {  // weighted values: a chunk of
+          const int64_t cnt = std::min(kChunkAvx2, count - k0);  // keys for every head
+          for (int64_t u = k0 + kChunkAvx2; u < std::min(count, k0 + 2 * kChunkAvx2); ++u)
+            for (int64_t b = 0; b < (h1 - h0) * d; b += 32)  // the next chunk's V rows
+              _mm_prefetch(reinterpret_cast<const char*>(vc + row_offs[u] + b), _MM_HINT_T0);
+          for (int64_t h = 0; h < h1 - h0; ++h) {
+            for (int64_t c0 = 0; c0 < nv; c0 += 4) {  // two heads at a time, 4 vectors of d
+              const bool whole = nv - c0 >= 4;  // else the last 2 vectors (nv is even)
+              for (int64_t g = 0; g < group; g += 2) {
+                const int64_t x = h * group + g;
+                auto weigh = g + 2 <= group ? (whole ? weigh_values<4, 2> : weigh_values<2, 2>)
+                                            : (whole ? weigh_values<4, 1> : weigh_values<2, 1>);
+                weigh(scores.data() + x * stride + k0, stride, vc + h * d, row_offs + k0, cnt,
+                      c0, acc.data() + x * d, d);
+              }
+            }
           }
+        }
+        at::BFloat16* dst = out + ((row0 + j) * hq + h0 * group) * d;
+        for (int64_t x = 0; x < heads; ++x) {  // one rounding to bf16 of each output
+          const __m256 factor = _mm256_set1_ps(inv[x]);
+          for (int64_t i = 0; i < nv; ++i)
+            store8_bf16(dst + x * d + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + x * d + 8 * i), factor));
         }
       }
     }
