@@ -37,23 +37,26 @@ class StartupHeap:
     every stream's next token, the event loop), whenever enough of the steps' objects have
     outlived the young generations; frozen, it walks only what serving made since.
 
-    Process-wide, hence counted: each engine `freeze`s once it is warm (garbage collected
-    first, so that none is frozen) and `thaw`s when it shuts down; the last one to go hands
-    every frozen object back to the collector, so that an engine dropped in a long-lived
-    process (tests, notebooks, an app that mounts the server and rebuilds it) leaves no
-    cycle uncollectable. An app that mounts the server has its own heap of the moment frozen
-    with the engine's (reference counting still frees what it drops)."""
+    Process-wide, hence counted: the first engine to be warm freezes (garbage collected
+    first, so that none is frozen); engines built while it holds the freeze only count
+    themselves in, their own objects left to the collector (a test suite or notebook that
+    makes and drops engines beside a long-lived one has them collected as before); the last
+    to shut down hands every frozen object back to the collector. An app that mounts the
+    server has its own heap of the moment frozen with the engine's (reference counting
+    still frees what it drops)."""
 
     _lock = threading.Lock()
     _holders = 0
 
     @classmethod
     def freeze(cls) -> int:
-        """Freeze what is alive now; returns how many objects are frozen."""
+        """Freeze what is alive now, unless a freeze is held already; returns how many
+        objects are frozen."""
         with cls._lock:
+            if cls._holders == 0:
+                gc.collect()
+                gc.freeze()
             cls._holders += 1
-            gc.collect()
-            gc.freeze()
             return gc.get_freeze_count()
 
     @classmethod

@@ -226,7 +226,9 @@ kept = [bytearray(3)]  # alive before any engine: part of the startup heap
 assert not frozen(kept)
 first = LLM(sys.argv[1], dtype="float32", max_model_len=64)
 assert frozen(kept) and gc.get_freeze_count() > 1000
+later = [bytearray(3)]
 second = LLM(sys.argv[1], dtype="float32", max_model_len=64)
+assert not frozen(later)  # a second engine counts itself in, but freezes nothing more
 first.shutdown()
 assert frozen(kept)  # the second engine still holds the freeze
 out = second.generate(["Hi"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
