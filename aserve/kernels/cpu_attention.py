@@ -24,13 +24,14 @@ sum of values on pairs of keys, its sums in registers) is the register tiles of
 orders them). `benchmarks/studies/attention.py` times it (docs/benchmarks/throughput.md,
 "Seventh and eighth runs").
 On AVX2 hosts (no AVX-512) the same tiles run 8 lanes wide in float32 (`attend_tiles_avx2`:
-a task takes every kv head of its tile where the tiles alone keep the threads busy, one kv head
-where they do not; scores 8 keys at a time, one FMA chain a key and head, each K vector made
-float once for up to 3 heads of its group, the 8 summed across lanes at once; the weighted
-values two heads and 32 dims at a time in registers, 64 keys for every head before the next
-64; K fetched 16 keys ahead and V a chunk ahead, exp8, float32 probabilities, one bf16 rounding
-of each output), so the whole-layer call runs there too. Where neither applies (fp16,
-head_dim % 16, no AVX2), `cpu_attention_forward` is `store_kv_ref` + `paged_attention_cpu`.
+a decode row's task takes every kv head where the tiles alone keep the threads busy, a chunk's
+tiles and few tiles one kv head a task; scores 8 keys at a time, one FMA chain a key and head,
+each K vector made float once for up to 3 heads of its group, the 8 summed across lanes at
+once; the weighted values two heads and 32 dims at a time in registers, 64 keys for every
+head before the next 64; K fetched 16 keys ahead and V a chunk ahead, exp8, float32
+probabilities, one bf16 rounding of each output), so the whole-layer call runs there too.
+Where neither applies (fp16, head_dim % 16, no AVX2), `cpu_attention_forward` is
+`store_kv_ref` + `paged_attention_cpu`.
 """
 
 from __future__ import annotations

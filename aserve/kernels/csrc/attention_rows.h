@@ -265,12 +265,13 @@ static inline void weigh_values(const float* p, int64_t stride, const at::BFloat
 
 constexpr int64_t kChunkAvx2 = 64;  // keys weighed for every head of a task before the next
 
-// Tasks are (tile, range of kv heads): every kv head of a tile in one task where the tiles
-// alone keep the threads busy (each key's K and V rows, all heads side by side in the cache,
-// then read once, in order: the head-by-head walk read a third of every line run the
-// prefetcher fetched, 1.49 against 0.91 ms a smol layer of 8 rows x 1,100 keys from memory),
-// one head a task where they do not (a decode of a few rows). Which, changes no bit: every
-// sum keeps its order.
+// Tasks are (tile, range of kv heads): every kv head of a decode row's tile in one task where
+// the tiles alone keep the threads busy (each key's K and V rows, all heads side by side in
+// the cache, then read once, in order: the head-by-head walk read a third of every line run
+// the prefetcher fetched, 1.49 against 0.91 ms a smol layer of 8 rows x 1,100 keys from
+// memory), one head a task where they do not (a decode of a few rows) and for a tile of
+// several rows (whose rows each walk the keys again: one head's K and V stay in L2, all
+// heads' do not). Which, changes no bit: every sum keeps its order.
 static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int32_t* table,
                               const int64_t* tiles, int64_t num_tiles, at::BFloat16* out,
@@ -278,8 +279,21 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
                               int64_t table_stride, int64_t q_stride, float scale,
                               int64_t window, float soft_cap, const float* sinks) {
   const int64_t group = hq / hkv, nv = d / 8, threads = at::get_num_threads();
-  const int64_t span = num_tiles >= 2 * threads ? hkv : 1;  // kv heads a task
-  const int64_t ranges = (hkv + span - 1) / span, num_tasks = num_tiles * ranges;
+  // Tasks: (tile, first kv head, kv heads). A decode row's tile is one task of every kv head
+  // where the tiles alone keep the threads busy; a tile of several rows (a prefill chunk)
+  // keeps a task a kv head, whose K and V stay in L2 while each row walks them again.
+  const bool whole_rows = num_tiles >= 2 * threads;
+  std::vector<int64_t> tasks;  // 3 a task
+  tasks.reserve(3 * num_tiles * hkv);
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    if (whole_rows && tiles[4 * i + 2] == 1) {
+      tasks.insert(tasks.end(), {i, 0, hkv});
+    } else {
+      for (int64_t h = 0; h < hkv; ++h) tasks.insert(tasks.end(), {i, h, 1});
+    }
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size()) / 3;
+  const int64_t span = whole_rows ? hkv : 1;  // the most kv heads a task
   std::atomic<int64_t> claimed{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<__m256> qf(span * group * nv);
@@ -288,8 +302,8 @@ static void attend_tiles_avx2(const at::BFloat16* q, const at::BFloat16* kc,
     std::vector<float> scores, inv(span * group), acc(span * group * d);
     std::vector<int64_t> offs;
     for (int64_t task = claimed.fetch_add(1); task < num_tasks; task = claimed.fetch_add(1)) {
-      const int64_t* tile = tiles + 4 * (task / ranges);
-      const int64_t h0 = task % ranges * span, h1 = std::min(hkv, h0 + span);
+      const int64_t* tile = tiles + 4 * tasks[3 * task];
+      const int64_t h0 = tasks[3 * task + 1], h1 = h0 + tasks[3 * task + 2];
       const int64_t heads = (h1 - h0) * group;  // query heads of this task
       const int64_t r = tile[0], row0 = tile[1], rows = tile[2], len0 = tile[3];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len0 - window) : 0;
