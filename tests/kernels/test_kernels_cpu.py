@@ -86,15 +86,16 @@ def test_cpu_kernel_writes_only_decode_rows_of_out():
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a tail past whole vectors
+def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual, hidden):
     from aserve.kernels import cpu_elementwise
 
     if not cpu_elementwise.load():
         pytest.skip("no C++ toolchain")
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    residual = torch.randn(rows, 576, generator=gen).bfloat16() if with_residual else None
-    w = (1 + 0.1 * torch.randn(576, generator=gen)).bfloat16()
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16() if with_residual else None
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16()
     got_x, want_x = x.clone(), x.clone()
     got_r = residual.clone() if with_residual else None
     want_r = residual.clone() if with_residual else None
@@ -107,7 +108,7 @@ def test_fused_rms_norm_matches_the_torch_formulation(rows, with_residual):
     assert (got_x != want_x).float().mean() < 1e-3
 
 
-@pytest.mark.parametrize("rotary_dim", [64, 32])
+@pytest.mark.parametrize("rotary_dim", [64, 32, 20])  # 20: halves of 10, a tail past 8 lanes
 def test_fused_rope_on_strided_rows_is_bit_equal(rotary_dim):
     from aserve.kernels import cpu_elementwise
     from aserve.layers.rotary import get_rope
@@ -443,8 +444,11 @@ def test_cpu_argmax_equals_torch_including_ties_infinities_and_nan():
     x[5] = torch.randint(0, 3, (49157,), generator=gen).float()  # many ties
     x[6, 20] = x[6, 30] = float("nan")  # the first NaN
     x[7, 0] = 1e30
+    x[8, 49150:] = 60.0  # the maximum only in the tail, tied there
     assert torch.equal(cpu_elementwise.argmax(x), x.argmax(dim=-1))
-    assert torch.equal(cpu_elementwise.argmax(x[:, :13]), x[:, :13].argmax(dim=-1))
+    for width in (3, 8, 13, 17, 40):  # rows shorter than a vector, whole vectors, tails
+        assert torch.equal(cpu_elementwise.argmax(x[:, :width].contiguous()),
+                           x[:, :width].argmax(dim=-1)), width
 
 
 def test_cpu_forward_padding_rows_are_zero_and_write_no_kv():

@@ -7,7 +7,8 @@
 //   swiglu_oai_and_mul  gpt-oss' clamped (up + 1) * gate * sigmoid(alpha gate)
 //   argmax_rows    torch.argmax of each float32 row
 //
-// Each is one loop where torch would dispatch a dozen tiny ops. Every op rounds to bfloat16 where
+// Each is one loop where torch would dispatch a dozen tiny ops (AVX-512: 16 lanes; AVX2: rms_norm,
+// rope and argmax_rows 8 lanes, the gated ones one value at a time). Every op rounds to bfloat16 where
 // the torch formulation (cpu_elementwise's *_ref twins) does, so results match it to the last bit
 // in almost every element (float32 reductions may differ in order).
 #pragma once
@@ -56,12 +57,34 @@ void rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Ten
         store_bf16(xr + i, _mm512_mul_ps(load_bf16(wp + i, m), y), m);
       }
 #else
-      if (rp != nullptr)
-        for (int64_t i = 0; i < n; ++i) src[i] = bf16(f(xr[i]) + f(src[i]));
+      int64_t i = 0;  // (AVX2: 8 lanes, then the scalar loop for the row's tail)
       float ss = 0.f;
-      for (int64_t i = 0; i < n; ++i) ss += f(src[i]) * f(src[i]);
+#ifdef ASERVE_AVX2
+      __m256 ss8 = _mm256_setzero_ps();
+      for (; i + 8 <= n; i += 8) {
+        __m256 a = load8_bf16(xr + i);
+        if (rp != nullptr) {
+          a = round8_bf16(_mm256_add_ps(a, load8_bf16(src + i)));
+          store8_bf16(src + i, a);
+        }
+        ss8 = _mm256_fmadd_ps(a, a, ss8);
+      }
+      ss = sum8(ss8);
+#endif
+      for (int64_t j = i; j < n; ++j) {
+        if (rp != nullptr) src[j] = bf16(f(xr[j]) + f(src[j]));
+        ss += f(src[j]) * f(src[j]);
+      }
       const float inv = 1.f / std::sqrt(ss / n + static_cast<float>(eps));
-      for (int64_t i = 0; i < n; ++i) xr[i] = bf16(f(wp[i]) * f(bf16(f(src[i]) * inv)));
+      i = 0;
+#ifdef ASERVE_AVX2
+      const __m256 inv8 = _mm256_set1_ps(inv);
+      for (; i + 8 <= n; i += 8) {
+        const __m256 y = round8_bf16(_mm256_mul_ps(load8_bf16(src + i), inv8));
+        store8_bf16(xr + i, _mm256_mul_ps(load8_bf16(wp + i), y));
+      }
+#endif
+      for (; i < n; ++i) xr[i] = bf16(f(wp[i]) * f(bf16(f(src[i]) * inv)));
 #endif
     }
   });
@@ -96,7 +119,20 @@ void rope(torch::Tensor positions, torch::Tensor x, torch::Tensor cos, torch::Te
                                                  round_bf16(_mm512_mul_ps(x1, s2))), m);
         }
 #else
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#ifdef ASERVE_AVX2
+        for (; i + 8 <= half; i += 8) {  // the scalar loop's roundings, 8 lanes
+          const __m256 x1 = load8_bf16(v + i), x2 = load8_bf16(v + i + half);
+          const __m256 c1 = load8_bf16(c + i), c2 = load8_bf16(c + i + half);
+          const __m256 s1 = load8_bf16(s + i), s2 = load8_bf16(s + i + half);
+          const __m256 nx2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+          store8_bf16(v + i, _mm256_add_ps(round8_bf16(_mm256_mul_ps(x1, c1)),
+                                           round8_bf16(_mm256_mul_ps(nx2, s1))));
+          store8_bf16(v + i + half, _mm256_add_ps(round8_bf16(_mm256_mul_ps(x2, c2)),
+                                                  round8_bf16(_mm256_mul_ps(x1, s2))));
+        }
+#endif
+        for (; i < half; ++i) {
           const float x1 = f(v[i]), x2 = f(v[i + half]);
           v[i] = bf16(f(bf16(x1 * f(c[i]))) + f(bf16(-x2 * f(s[i]))));
           v[i + half] = bf16(f(bf16(x2 * f(c[i + half]))) + f(bf16(x1 * f(s[i + half]))));
@@ -179,7 +215,37 @@ torch::Tensor argmax_rows(torch::Tensor x) {
       }
 #else
       float m = v[0];
-      for (int64_t i = 0; i < n && !nan; ++i) {
+      int64_t i = 0;
+#ifdef ASERVE_AVX2
+      if (n >= 8) {  // as the AVX-512 loop, 8 lanes; the row's tail below
+        __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+        __m256 any_nan = _mm256_setzero_ps();
+        __m256i at = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i step = _mm256_set1_epi32(8);
+        for (; i + 8 <= n; i += 8) {
+          const __m256 a = _mm256_loadu_ps(v + i);
+          any_nan = _mm256_or_ps(any_nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+          const __m256 gt = _mm256_cmp_ps(a, mx, _CMP_GT_OQ);
+          mx = _mm256_blendv_ps(mx, a, gt);
+          at = _mm256_castps_si256(
+              _mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+          idx = _mm256_add_epi32(idx, step);
+        }
+        nan = _mm256_movemask_ps(any_nan) != 0;
+        if (!nan) {  // the lowest index among the lanes holding the maximum
+          alignas(32) float lanes[8];
+          alignas(32) int32_t where[8];
+          _mm256_store_ps(lanes, mx);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(where), at);
+          m = lanes[0];
+          for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+          best = n;
+          for (int l = 0; l < 8; ++l)
+            if (lanes[l] == m) best = std::min<int64_t>(best, where[l]);
+        }
+      }
+#endif
+      for (; i < n && !nan; ++i) {
         if (std::isnan(v[i])) nan = true;
         else if (v[i] > m) { m = v[i]; best = i; }
       }
