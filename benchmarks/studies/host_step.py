@@ -1,0 +1,143 @@
+"""What an engine step costs the host, phase by phase, with the model's forward taken out.
+Prints one JSON line.
+
+    python benchmarks/studies/host_step.py --model DIR [-n 256] [-i 16] [-o 128] [--rounds 5]
+        [--async-scheduling] [--real-forward]
+
+The engine runs offline (`-n` requests of `-i` random prompt tokens, `-o` greedy output tokens,
+`ignore_eos`), but the model's forward returns zeros at once and its LM head hands out rows of a
+fixed random logits table: what is left of a step is the host's work alone — scheduling, the
+runner's inputs and states, sampling (argmax over the real vocabulary), the scheduler's update
+and the outputs — which is what a GPU's steady state waits on (issue 45) and what a near-free
+model measures on a CPU with the forward's threads in the way. Sync scheduling by default, so
+that each phase's time is its own; `--real-forward` keeps the model.
+
+Per round: ms a step (wall), and per phase its ms a step (`time.perf_counter` around each call):
+`schedule`, `update` (`Scheduler.update_from_output`), `outputs`
+(`OutputProcessor.process_outputs`), `runner_inputs` (`ModelRunner.start_step` less the
+forward), `forward` (`run_model`: with the stub, the attention metadata and the stub's calls),
+`runner_sample` (`finish_step`), and `other` (the step less all of these: the hand-offs between
+the engine and worker threads, the engine's loop). Medians over rounds; A/B two trees by
+running this from each in turn (`git worktree`), alternated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS.parent))  # the repo: aserve
+sys.path.insert(0, str(BENCHMARKS))  # common
+
+from common import emit, make_prompts, vocab_size_of  # noqa: E402
+
+# (label, class path, method): the calls timed, each inclusive
+TIMED = (("schedule", "aserve.core.scheduler.Scheduler", "schedule"),
+         ("update", "aserve.core.scheduler.Scheduler", "update_from_output"),
+         ("outputs", "aserve.engine.output_processor.OutputProcessor", "process_outputs"),
+         ("start_step", "aserve.runner.model_runner.ModelRunner", "start_step"),
+         ("forward", "aserve.runner.model_runner.ModelRunner", "run_model"),
+         ("runner_sample", "aserve.runner.model_runner.ModelRunner", "finish_step"))
+
+
+def time_calls(seconds: dict[str, float]) -> None:
+    """Wrap each TIMED method so that its calls add their wall time to `seconds[label]`."""
+    import importlib
+
+    for label, path, name in TIMED:
+        module, cls = path.rsplit(".", 1)
+        owner = getattr(importlib.import_module(module), cls)
+        fn = getattr(owner, name)
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - start
+
+        setattr(owner, name, functools.wraps(fn)(timed))
+
+
+def stub_forward(llm, vocab_size: int, max_rows: int) -> None:
+    """The model's forward returns zeros; its LM head, rows of a fixed random table."""
+    import torch
+
+    runner = llm.engine_core.executor.worker.runner
+    model = runner.model
+    hidden_size = runner.arch.hidden_size
+    table = torch.randn(max_rows, vocab_size, generator=torch.Generator().manual_seed(0))
+
+    def forward(input_ids, positions, metadata, intermediate=None):
+        return torch.zeros(len(input_ids), hidden_size, dtype=runner.arch.dtype)
+
+    def compute_logits(hidden):
+        return table[:len(hidden)]
+
+    model.forward = forward
+    model.compute_logits = compute_logits
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("-n", "--num-prompts", type=int, default=256)
+    ap.add_argument("-i", "--input-len", type=int, default=16)
+    ap.add_argument("-o", "--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--real-forward", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from aserve import LLM, SamplingParams
+
+    seconds: dict[str, float] = defaultdict(float)
+    time_calls(seconds)
+    llm = LLM(args.model, max_num_seqs=args.num_prompts,
+              async_scheduling=args.async_scheduling)
+    vocab_size = vocab_size_of(args.model)
+    if not args.real_forward:
+        stub_forward(llm, vocab_size, args.num_prompts * args.input_len)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(
+        args.num_prompts, args.input_len, vocab_size)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params)  # warm
+    rounds: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        llm.reset_prefix_cache()
+        seconds.clear()
+        steps_before = llm.engine_core.num_steps
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        steps = llm.engine_core.num_steps - steps_before
+        per_step = {label: 1000 * s / steps for label, s in seconds.items()}
+        row = {"step": 1000 * elapsed / steps,
+               "schedule": per_step["schedule"], "update": per_step["update"],
+               "outputs": per_step["outputs"],
+               "runner_inputs": per_step["start_step"] - per_step["forward"],
+               "forward": per_step["forward"], "runner_sample": per_step["runner_sample"]}
+        row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
+        row["steps"] = steps
+        rounds.append(row)
+    llm.shutdown()
+    medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+    emit({"benchmark": "host_step", "model": args.model,
+          "requests": f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+          "async_scheduling": args.async_scheduling, "forward": (
+              "real" if args.real_forward else "stub"), "rounds": args.rounds,
+          "ms_per_step_median": medians,
+          "step_ms_rounds": [round(r["step"], 3) for r in rounds]}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
