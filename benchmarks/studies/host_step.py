@@ -17,15 +17,22 @@ Per round: ms a step (wall), and per phase its ms a step (`time.perf_counter` ar
 (`OutputProcessor.process_outputs`), `runner_inputs` (`ModelRunner.start_step` less the
 forward), `forward` (`run_model`: with the stub, the attention metadata and the stub's calls),
 `runner_sample` (`finish_step`), and `other` (the step less all of these: the hand-offs between
-the engine and worker threads, the engine's loop). Medians over rounds; A/B two trees by
-running this from each in turn (`git worktree`), alternated.
+the engine and worker threads, the engine's loop). Medians over rounds.
+
+`--against DIR` compares this tree with another checkout (`git worktree add DIR REV`; it must
+have this script): each tree's engine lives in its own process, built once, and the rounds
+alternate between them (the order flipping every round), so that the machine's slow and fast
+minutes fall on both; reported per tree, with the median of the rounds' ratios (this tree over
+DIR's, below 1: this tree is cheaper).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -84,19 +91,38 @@ def stub_forward(llm, vocab_size: int, max_rows: int) -> None:
     model.compute_logits = compute_logits
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("-n", "--num-prompts", type=int, default=256)
-    ap.add_argument("-i", "--input-len", type=int, default=16)
-    ap.add_argument("-o", "--output-len", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--async-scheduling", action="store_true")
-    ap.add_argument("--real-forward", action="store_true")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+class Engine:
+    """One tree's engine (`--worker` in a child process), stubbed and warm: one round a call."""
 
+    def __init__(self, root: Path, args: argparse.Namespace) -> None:
+        script = root / "benchmarks" / "studies" / "host_step.py"
+        flags = ["-n", str(args.num_prompts), "-i", str(args.input_len), "-o",
+                 str(args.output_len)] + [f for f, on in (
+                     ("--async-scheduling", args.async_scheduling),
+                     ("--real-forward", args.real_forward)) if on]
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), "--model", args.model, "--worker", *flags],
+            cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the engine process exited ({self.proc.wait()})")
+
+    def round(self) -> dict[str, float]:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def build(args: argparse.Namespace):
+    """A warm engine with the TIMED calls wrapped (and the forward stubbed), and one round."""
     from aserve import LLM, SamplingParams
 
     seconds: dict[str, float] = defaultdict(float)
@@ -110,8 +136,8 @@ def main() -> int:
         args.num_prompts, args.input_len, vocab_size)]
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, params)  # warm
-    rounds: list[dict[str, float]] = []
-    for _ in range(args.rounds):
+
+    def one_round() -> dict[str, float]:
         llm.reset_prefix_cache()
         seconds.clear()
         steps_before = llm.engine_core.num_steps
@@ -127,15 +153,69 @@ def main() -> int:
                "forward": per_step["forward"], "runner_sample": per_step["runner_sample"]}
         row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
         row["steps"] = steps
-        rounds.append(row)
-    llm.shutdown()
-    medians = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
-    emit({"benchmark": "host_step", "model": args.model,
-          "requests": f"{args.num_prompts} x {args.input_len}/{args.output_len}",
-          "async_scheduling": args.async_scheduling, "forward": (
-              "real" if args.real_forward else "stub"), "rounds": args.rounds,
-          "ms_per_step_median": medians,
-          "step_ms_rounds": [round(r["step"], 3) for r in rounds]}, args.out)
+        return row
+
+    return llm, one_round
+
+
+def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
+    return {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("-n", "--num-prompts", type=int, default=256)
+    ap.add_argument("-i", "--input-len", type=int, default=16)
+    ap.add_argument("-o", "--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="per tree")
+    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--real-forward", action="store_true")
+    ap.add_argument("--against", type=Path, help="another checkout, alternated round by round")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    result = {"benchmark": "host_step", "model": args.model,
+              "requests": f"{args.num_prompts} x {args.input_len}/{args.output_len}",
+              "async_scheduling": args.async_scheduling,
+              "forward": "real" if args.real_forward else "stub", "rounds": args.rounds}
+
+    if args.worker:  # a child of --against: one round per line read
+        llm, one_round = build(args)
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "round":
+                print(json.dumps(one_round()), flush=True)
+        llm.shutdown()
+        return 0
+
+    if args.against is None:
+        llm, one_round = build(args)
+        rounds = [one_round() for _ in range(args.rounds)]
+        llm.shutdown()
+        result["ms_per_step_median"] = medians(rounds)
+        result["step_ms_rounds"] = [round(r["step"], 3) for r in rounds]
+        emit(result, args.out)
+        return 0
+
+    engines = {"this": Engine(BENCHMARKS.parent, args), "against": Engine(args.against, args)}
+    rounds: dict[str, list[dict[str, float]]] = {"this": [], "against": []}
+    for r in range(args.rounds):
+        for name in (("this", "against") if r % 2 == 0 else ("against", "this")):
+            rounds[name].append(engines[name].round())
+    for engine in engines.values():
+        engine.close()
+    result["against"] = str(args.against)
+    for name, rows in rounds.items():
+        result[name] = medians(rows)
+    result["this_over_against"] = {
+        k: round(statistics.median(a[k] / b[k] for a, b in zip(rounds["this"],
+                                                                  rounds["against"])), 3)
+        for k in rounds["this"][0] if k != "steps"}
+    result["step_ms_rounds"] = {name: [round(r["step"], 3) for r in rows]
+                                for name, rows in rounds.items()}
+    emit(result, args.out)
     return 0
 
 
