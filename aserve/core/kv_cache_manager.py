@@ -45,6 +45,11 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
+        # covers(req_id, num_tokens): whether `allocate_slots` of a running request (no hit,
+        # nothing external) up to `num_tokens` would change nothing and return
+        # `no_new_blocks` — the scheduler's one check for a decode inside its last block
+        self.covers = self.coordinator.covers
+        self.no_new_blocks = self.coordinator.no_new_blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 

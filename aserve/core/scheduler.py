@@ -136,13 +136,14 @@ class Scheduler:
         output = self._make_output(plan)
         output.num_decode_tokens, output.num_attention_keys = plan.num_decodes, plan.num_keys
         output.draft_model_runs = self.spec.draft_model_runs(self.running)
-        num_running = len(self.running)
+        num_running, requests = len(self.running), self.requests
+        schedule_request, overlapped = self.spec.schedule_request, self.config.async_scheduling
         for req_id, num_tokens in plan.num_scheduled.items():
-            request = self.requests[req_id]
-            self.spec.schedule_request(output, request, num_tokens, num_running)
+            request = requests[req_id]
+            schedule_request(output, request, num_tokens, num_running)
             request.num_computed_tokens += num_tokens
-            if self.config.async_scheduling and request.num_computed_tokens == (
-                    request.num_tokens + request.num_output_placeholders):
+            if overlapped and request.num_computed_tokens == (
+                    len(request.all_token_ids) + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # it samples: a token is on its way
         output.kv_connector_metadata = self.remote_kv.build_connector_meta(output)
         self._last_output = output
@@ -188,8 +189,10 @@ class Scheduler:
                             or self.spec.would_draft(request, len(self.running))):
             return 0  # its token in flight is its last one, or the next batch (or its
             # drafts, which follow that token) needs it
-        num_new = request.num_tokens + num_pending - num_computed
+        num_new = len(request.all_token_ids) + num_pending - num_computed
         if num_new == 1:  # decoding: its drafts ride along (none without speculation)
+            if not request.spec_token_ids and num_computed >= len(request.prompt_token_ids):
+                return min(1, plan.num_tokens)  # (most calls: one decode token, not prefill)
             num_new += len(request.spec_token_ids)
         threshold = self.config.prefill.long_prefill_token_threshold
         if threshold > 0:
@@ -197,17 +200,29 @@ class Scheduler:
         return min(num_new, plan.limit(is_prefill(request, num_computed, num_new), num_computed))
 
     def _schedule_running(self, plan: StepPlan) -> None:
+        running, to_schedule, allocate = self.running, self._num_tokens_to_schedule, self._allocate
+        kv = self.kv_cache_manager
+        # A decode inside its last block needs nothing allocated (most requests of most
+        # steps): one check in place of `_allocate`'s calls, where no lookahead slots are due.
+        covers = None if self.spec.num_lookahead else kv.covers
+        no_new_blocks = kv.no_new_blocks
         index = 0
-        while index < len(self.running) and plan.num_tokens > 0:
-            request = self.running[index]
-            num_new = self._num_tokens_to_schedule(request, request.num_computed_tokens, plan)
+        while index < len(running) and plan.num_tokens > 0:
+            request = running[index]
+            num_computed = request.num_computed_tokens
+            num_new = to_schedule(request, num_computed, plan)
             if request.spec_token_ids and num_new > 0:  # the drafts the budget leaves room for
                 del request.spec_token_ids[num_new - 1:]
             if num_new <= 0:
                 index += 1
                 continue
-            while (block_ids := self._allocate(request, num_new)) is None:
-                victim = self.running.pop()
+            if num_new == 1 and covers is not None and covers(request.request_id,
+                                                              num_computed + 1):
+                plan.schedule(request, 1, no_new_blocks)
+                index += 1
+                continue
+            while (block_ids := allocate(request, num_new)) is None:
+                victim = running.pop()
                 self._preempt(victim, plan)
                 if victim is request:
                     break  # `index` is now past the end
@@ -295,8 +310,9 @@ class Scheduler:
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
+        requests = self.requests
         cached = [
-            CachedRequestData(req_id, block_ids, self.requests[req_id].num_computed_tokens)
+            CachedRequestData(req_id, block_ids, requests[req_id].num_computed_tokens)
             for req_id, block_ids in plan.new_block_ids.items()
         ]
         new = [
@@ -337,6 +353,8 @@ class Scheduler:
         all_prompt_logprobs, all_logprobs = runner_output.prompt_logprobs, runner_output.logprobs
         all_drafts = scheduler_output.scheduled_spec_decode_tokens
         all_accepted = runner_output.num_accepted_drafts
+        verified_tokens, propose, free, running_reqs = (spec.verified_tokens, spec.propose,
+                                                        self._free, self.running)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = requests.get(req_id)
@@ -352,15 +370,16 @@ class Scheduler:
                 continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            new_token_ids = spec.verified_tokens(
+            new_token_ids = verified_tokens(
                 request, all_drafts.get(req_id) if all_drafts else None,
                 all_accepted.get(req_id, 0) if all_accepted else 0, token_id)
             kv_transfer_params = None
             for appended, new_token_id in enumerate(new_token_ids, 1):
-                request.append_output_token(new_token_id)
+                request.output_token_ids.append(new_token_id)  # (append_output_token, inline)
+                request.all_token_ids.append(new_token_id)
                 if request.check_stop(new_token_id, max_model_len):
-                    self.running.remove(request)
-                    kv_transfer_params = self._free(request)
+                    running_reqs.remove(request)
+                    kv_transfer_params = free(request)
                     if appended < len(new_token_ids):  # drafts past the stop are dropped
                         new_token_ids = new_token_ids[:appended]
                     break
@@ -369,7 +388,7 @@ class Scheduler:
                 all_logprobs.get(req_id) if all_logprobs else None,
                 prompt_logprobs, request.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
-            spec.propose(request, len(self.running))
+            propose(request, len(running_reqs))
         return outputs
 
     def _finish_pooled(self, req_id: str, vector) -> list[EngineCoreOutput]:

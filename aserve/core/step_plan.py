@@ -63,9 +63,16 @@ class StepPlan:
 
     def schedule(self, request: Request, num_tokens: int, block_ids: tuple[Sequence[int], ...]
                  ) -> None:
-        self.num_scheduled[request.request_id] = num_tokens
-        self.new_block_ids[request.request_id] = block_ids
-        self._spend(request, num_tokens)
+        req_id = request.request_id
+        self.num_scheduled[req_id] = num_tokens
+        self.new_block_ids[req_id] = block_ids
+        num_computed = request.num_computed_tokens
+        if num_tokens == 1 and num_computed >= len(request.prompt_token_ids):
+            self.num_tokens -= 1  # (most calls: a decode; `_spend`'s sums for one token)
+            self.num_keys += num_computed + 1
+            self.num_decodes += 1
+        else:
+            self._spend(request, num_tokens)
 
     def admit(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens

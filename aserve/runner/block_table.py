@@ -46,7 +46,8 @@ class BlockTables:
         for new in so.scheduled_new_reqs:
             self.add(new.req_id, new.block_ids)
         for cached in so.scheduled_cached_reqs:
-            self.append(cached.req_id, cached.new_block_ids)
+            if any(cached.new_block_ids):  # (most steps of most requests: no new block)
+                self.append(cached.req_id, cached.new_block_ids)
 
     def add(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
         """A request sent whole (`NewRequestData.block_ids`, one list per group)."""

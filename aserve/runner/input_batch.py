@@ -89,14 +89,17 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    sample_req_indices = [
-        i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
-        if c + n == len(s.all_token_ids) + (len(drafts[i]) if drafts else 0)]
+    if drafts:
+        sample_req_indices = [
+            i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
+            if c + n == len(s.all_token_ids) + len(drafts[i])]
+    else:
+        sample_req_indices = [i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
+                              if c + n == len(s.all_token_ids)]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
-    for i, (state, c, n) in enumerate(zip(states, computed, num_scheduled)):
-        if state.sampling_params.prompt_logprobs is None:
-            continue
+    for i in [i for i, s in enumerate(states) if s.sampling_params.prompt_logprobs is not None]:
+        state, c, n = states[i], computed[i], num_scheduled[i]
         end = min(c + n, state.num_prompt_tokens - 1)
         if c < end:
             spans.append((i, c, end - c))

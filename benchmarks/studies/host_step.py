@@ -19,6 +19,11 @@ forward), `forward` (`run_model`: with the stub, the attention metadata and the 
 `runner_sample` (`finish_step`), and `other` (the step less all of these: the hand-offs between
 the engine and worker threads, the engine's loop). Medians over rounds.
 
+`--opcodes` runs one more round with every thread traced (`sys.settrace` opcode events, ~50x
+slower) and reports the bytecodes a step each thread executed, and the functions that executed
+the most: deterministic where wall time is not (this host's speed swings 30 % within a minute),
+a count of the Python work only (a call costs more than a load, C code nothing).
+
 `--against DIR` compares this tree with another checkout (`git worktree add DIR REV`; it must
 have this script): each tree's engine lives in its own process, built once, and the rounds
 alternate between them (the order flipping every round), so that the machine's slow and fast
@@ -34,8 +39,9 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1]
@@ -158,6 +164,34 @@ def build(args: argparse.Namespace):
     return llm, one_round
 
 
+def count_opcodes(llm, one_round) -> dict:
+    """One round with the engine's and the worker's bytecodes counted: a step's, per thread
+    and for the functions that ran the most."""
+    per_thread: Counter = Counter()
+    per_function: Counter = Counter()
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            code = frame.f_code
+            per_thread[threading.current_thread().name] += 1
+            per_function[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+        return tracer
+
+    worker = llm.engine_core.executor._thread  # (the runner's thread: traced from inside it)
+    worker.submit(sys.settrace, tracer).result()
+    sys.settrace(tracer)
+    try:
+        row = one_round()
+    finally:
+        sys.settrace(None)
+        worker.submit(sys.settrace, None).result()
+    steps = row["steps"]
+    return {"per_thread": {k: round(v / steps) for k, v in per_thread.items()},
+            "total": round(sum(per_thread.values()) / steps),
+            "top_functions": {k: round(v / steps) for k, v in per_function.most_common(15)}}
+
+
 def medians(rounds: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
 
@@ -172,6 +206,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="per tree")
     ap.add_argument("--async-scheduling", action="store_true")
     ap.add_argument("--real-forward", action="store_true")
+    ap.add_argument("--opcodes", action="store_true", help="count bytecodes a step (one round)")
     ap.add_argument("--against", type=Path, help="another checkout, alternated round by round")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
@@ -193,6 +228,8 @@ def main() -> int:
     if args.against is None:
         llm, one_round = build(args)
         rounds = [one_round() for _ in range(args.rounds)]
+        if args.opcodes:
+            result["opcodes_per_step"] = count_opcodes(llm, one_round)
         llm.shutdown()
         result["ms_per_step_median"] = medians(rounds)
         result["step_ms_rounds"] = [round(r["step"], 3) for r in rounds]
