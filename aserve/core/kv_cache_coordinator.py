@@ -125,12 +125,12 @@ class KVCacheCoordinator:
         behind; whoever reads them extends them first.)"""
         if not self._all_full:
             return False
-        size, caching = self.block_size, self.pool.enable_caching
-        num_full = num_tokens // size
+        size = self.block_size
+        num_full = num_tokens // size if self.pool.enable_caching else 0
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(req_id)
             if (blocks is None or len(blocks) * size < num_tokens
-                    or (caching and num_full > manager.num_cached_blocks.get(req_id, 0))):
+                    or num_full > manager.num_cached_blocks.get(req_id, 0)):
                 return False
         return True
 

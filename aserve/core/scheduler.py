@@ -42,7 +42,7 @@ from aserve.core.outputs import (
     SchedulerStats,
 )
 from aserve.core.remote_kv import make_remote_kv
-from aserve.core.request import Request, RequestStatus
+from aserve.core.request import FINISH_REASONS, Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
 from aserve.core.spec_policy import make_spec_policy
 from aserve.core.step_cost import StepCostModel, chunk_cost, prefill_token_cap
@@ -154,9 +154,9 @@ class Scheduler:
         step-cost fit (`StepPlan` prices each chunk by its context); None: no cap."""
         num_decoding = decode_keys = 0
         for request in self.running:
-            if request.num_computed_tokens >= request.num_prompt_tokens:
+            if (num_computed := request.num_computed_tokens) >= len(request.prompt_token_ids):
                 num_decoding += 1
-                decode_keys += request.num_computed_tokens + 1
+                decode_keys += num_computed + 1
         decode_cost = num_decoding + self.step_cost.key_cost_tokens() * decode_keys
         return prefill_token_cap(self.config, self.step_cost, num_decoding,
                                  self._pending_within, self.block_size, decode_cost)
@@ -355,6 +355,7 @@ class Scheduler:
         all_accepted = runner_output.num_accepted_drafts
         verified_tokens, propose, free, running_reqs = (spec.verified_tokens, spec.propose,
                                                         self._free, self.running)
+        finish_reason_of = FINISH_REASONS.get  # (`Request.finish_reason`, without the call)
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = requests.get(req_id)
@@ -386,7 +387,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids,
                 all_logprobs.get(req_id) if all_logprobs else None,
-                prompt_logprobs, request.finish_reason, request.stop_reason,
+                prompt_logprobs, finish_reason_of(request.status), request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
             propose(request, len(running_reqs))
         return outputs

@@ -2,7 +2,7 @@
 Prints one JSON line.
 
     python benchmarks/studies/host_step.py --model DIR [-n 256] [-i 16] [-o 128] [--rounds 5]
-        [--async-scheduling] [--real-forward]
+        [--async-scheduling] [--real-forward] [--opcodes] [--against DIR]
 
 The engine runs offline (`-n` requests of `-i` random prompt tokens, `-o` greedy output tokens,
 `ignore_eos`), but the model's forward returns zeros at once and its LM head hands out rows of a
@@ -19,10 +19,11 @@ forward), `forward` (`run_model`: with the stub, the attention metadata and the 
 `runner_sample` (`finish_step`), and `other` (the step less all of these: the hand-offs between
 the engine and worker threads, the engine's loop). Medians over rounds.
 
-`--opcodes` runs one more round with every thread traced (`sys.settrace` opcode events, ~50x
-slower) and reports the bytecodes a step each thread executed, and the functions that executed
-the most: deterministic where wall time is not (this host's speed swings 30 % within a minute),
-a count of the Python work only (a call costs more than a load, C code nothing).
+`--opcodes` runs one more round with the engine's and the runner's threads traced
+(`sys.settrace` opcode events, ~50x slower) and reports the bytecodes a step each thread
+executed, and the functions that executed the most: deterministic where wall time is not (this
+host's speed swings 30 % within a minute), a count of the Python work only (a call costs more
+than a load, C code nothing).
 
 `--against DIR` compares this tree with another checkout (`git worktree add DIR REV`; it must
 have this script): each tree's engine lives in its own process, built once, and the rounds
