@@ -89,13 +89,10 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    if drafts:
-        sample_req_indices = [
-            i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
-            if c + n == len(s.all_token_ids) + len(drafts[i])]
-    else:
-        sample_req_indices = [i for i, (s, c, n) in enumerate(zip(states, computed, num_scheduled))
-                              if c + n == len(s.all_token_ids)]
+    num_drafts = [len(d) for d in drafts] if drafts else [0] * num_reqs
+    sample_req_indices = [
+        i for i, (s, c, n, k) in enumerate(zip(states, computed, num_scheduled, num_drafts))
+        if c + n == len(s.all_token_ids) + k]
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
     for i in [i for i, s in enumerate(states) if s.sampling_params.prompt_logprobs is not None]:

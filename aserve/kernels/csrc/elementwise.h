@@ -7,10 +7,10 @@
 //   swiglu_oai_and_mul  gpt-oss' clamped (up + 1) * gate * sigmoid(alpha gate)
 //   argmax_rows    torch.argmax of each float32 row
 //
-// Each is one loop where torch would dispatch a dozen tiny ops (AVX-512: 16 lanes; AVX2: rms_norm,
-// rope and argmax_rows 8 lanes, the gated ones one value at a time). Every op rounds to bfloat16 where
-// the torch formulation (cpu_elementwise's *_ref twins) does, so results match it to the last bit
-// in almost every element (float32 reductions may differ in order).
+// Each is one loop where torch would dispatch a dozen tiny ops (AVX-512: 16 lanes; AVX2:
+// rms_norm, rope and argmax_rows 8 lanes, the gated ones one value at a time). Every op rounds
+// to bfloat16 where the torch formulation (cpu_elementwise's *_ref twins) does, so results match
+// it to the last bit in almost every element (float32 reductions may differ in order).
 #pragma once
 
 #include <ATen/Parallel.h>
