@@ -115,24 +115,27 @@ class KVCacheCoordinator:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_tokens)
+        request.num_covered_tokens = self.covered_tokens(req_id)
         return new_blocks
 
-    def covers(self, req_id: str, num_tokens: int) -> bool:
-        """Whether `req_id`'s blocks in every (full-attention) group already cover
-        `num_tokens` tokens and none of those tokens fills a block not registered yet: then
-        `allocate_slots` would change nothing (a decode inside its last block: most requests
-        of most steps), and `KVCacheManager.allocate_slots` skips it. (Its hashes may then lag
-        behind; whoever reads them extends them first.)"""
+    def covered_tokens(self, req_id: str) -> int:
+        """The most tokens `req_id`'s blocks cover in every (full-attention) group with none of
+        them filling a block not registered yet: `allocate_slots` up to that many would change
+        nothing (a decode inside its last block: most requests of most steps). 0 where a
+        sliding group's blocks change as the window moves. (Hashes may then lag behind;
+        whoever reads them extends them first.)"""
         if not self._all_full:
-            return False
-        size = self.block_size
-        num_full = num_tokens // size if self.pool.enable_caching else 0
+            return 0
+        size, caching, covered = self.block_size, self.pool.enable_caching, None
         for manager in self.managers:
             blocks = manager.req_to_blocks.get(req_id)
-            if (blocks is None or len(blocks) * size < num_tokens
-                    or num_full > manager.num_cached_blocks.get(req_id, 0)):
-                return False
-        return True
+            if blocks is None:
+                return 0
+            num = len(blocks) * size
+            if caching:  # a token that fills block k needs the block registered
+                num = min(num, (manager.num_cached_blocks.get(req_id, 0) + 1) * size - 1)
+            covered = num if covered is None else min(covered, num)
+        return covered or 0
 
     def cache_loaded_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """A KV connector has loaded the request's blocks up to `num_computed_tokens`: null
@@ -144,6 +147,7 @@ class KVCacheCoordinator:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_computed_tokens)
+        request.num_covered_tokens = self.covered_tokens(request.request_id)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(req_id) for m in self.managers)

@@ -45,10 +45,8 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
-        # covers(req_id, num_tokens): whether `allocate_slots` of a running request (no hit,
-        # nothing external) up to `num_tokens` would change nothing and return
-        # `no_new_blocks` — the scheduler's one check for a decode inside its last block
-        self.covers = self.coordinator.covers
+        # What `allocate_slots` returns where a request's blocks cover the tokens already
+        # (`Request.num_covered_tokens`, which the scheduler checks for a plain decode)
         self.no_new_blocks = self.coordinator.no_new_blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -104,8 +102,7 @@ class KVCacheManager:
         """
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
                       + num_external_tokens)
-        if new_computed_blocks is None and self.coordinator.covers(request.request_id,
-                                                                   num_tokens):
+        if new_computed_blocks is None and num_tokens <= request.num_covered_tokens:
             return self.coordinator.no_new_blocks  # nothing to do: no new block ids
         is_new = not self.coordinator.holds(request.request_id)
         new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
@@ -136,6 +133,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, and forget it. Unknown requests: no-op."""
         self.coordinator.free(request.request_id)
+        request.num_covered_tokens = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key; refused (False) while any block is in use."""

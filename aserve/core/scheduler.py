@@ -33,7 +33,6 @@ from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.kv_connector import KVConnectorScheduler
 from aserve.core.outputs import (
-    CachedRequestData,
     EngineCoreOutput,
     LogprobsLists,
     ModelRunnerOutput,
@@ -126,20 +125,24 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
-        budget, cap = self.config.max_num_batched_tokens, self._max_prefill_tokens()
-        plan = (StepPlan(budget, budget) if cap is None
-                else StepPlan(budget, cap, self.step_cost.key_cost_tokens()))
+        plan = StepPlan(self.config.max_num_batched_tokens, self._prefill_cap)
         self._schedule_running(plan)
         if not plan.preempted:
+            if self.waiting or self.remote_kv.num_requests:
+                plan.resolve_prefill_cap()  # (of the requests before any is admitted)
             self._schedule_loaded(plan)
             self._schedule_waiting(plan)
         output = self._make_output(plan)
         output.num_decode_tokens, output.num_attention_keys = plan.num_decodes, plan.num_keys
         output.draft_model_runs = self.spec.draft_model_runs(self.running)
-        num_running, requests = len(self.running), self.requests
-        schedule_request, overlapped = self.spec.schedule_request, self.config.async_scheduling
-        for req_id, num_tokens in plan.num_scheduled.items():
-            request = requests[req_id]
+        overlapped = self.config.async_scheduling
+        for request in plan.decodes:  # (a token each, its token in flight where overlapped)
+            request.num_computed_tokens += 1
+            request.num_output_placeholders += overlapped
+        num_running, num_scheduled = len(self.running), plan.num_scheduled
+        schedule_request = self.spec.schedule_request
+        for request in plan.others:
+            num_tokens = num_scheduled[request.request_id]
             schedule_request(output, request, num_tokens, num_running)
             request.num_computed_tokens += num_tokens
             if overlapped and request.num_computed_tokens == (
@@ -149,9 +152,19 @@ class Scheduler:
         self._last_output = output
         return output
 
+    def _prefill_cap(self) -> tuple[float, float]:
+        """The step's prefill budget (`_max_prefill_tokens`) and the `key_cost_tokens` it is
+        counted in; without a cap the whole budget, tokens at their count (`StepPlan` asks
+        at the step's first prefill)."""
+        cap = self._max_prefill_tokens()
+        if cap is None:
+            return self.config.max_num_batched_tokens, 0.0
+        return cap, self.step_cost.key_cost_tokens()
+
     def _max_prefill_tokens(self) -> float | None:
         """Prefill this step may carry (`step_cost.prefill_token_cap`), in tokens of the
-        step-cost fit (`StepPlan` prices each chunk by its context); None: no cap."""
+        step-cost fit (`StepPlan` prices each chunk by its context); None: no cap. Worked
+        out from the running and waiting requests as they were when the step began."""
         num_decoding = decode_keys = 0
         for request in self.running:
             if (num_computed := request.num_computed_tokens) >= len(request.prompt_token_ids):
@@ -202,33 +215,54 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         running, to_schedule, allocate = self.running, self._num_tokens_to_schedule, self._allocate
         kv = self.kv_cache_manager
-        # A decode inside its last block needs nothing allocated (most requests of most
-        # steps): one check in place of `_allocate`'s calls, where no lookahead slots are due.
-        covers = None if self.spec.num_lookahead else kv.covers
         no_new_blocks = kv.no_new_blocks
+        # A plain decode — one token past the prompt, inside the blocks it holds
+        # (`num_covered_tokens`), its token in flight (if any) not its last — is the whole of
+        # most requests of most steps: this loop schedules it itself (`plan.decode`, its
+        # budgets counted here), in place of the calls below. Not under speculation (drafts,
+        # lookahead slots), nor with batches queued behind the one in flight.
+        plain = not self.spec.speculates and self.config.max_batches_in_flight == 1
+        max_model_len, decode = self.config.max_model_len, plan.decode
+        num_tokens, num_decodes, num_keys = plan.num_tokens, 0, 0
         index = 0
-        while index < len(running) and plan.num_tokens > 0:
+        while index < len(running) and num_tokens > 0:
             request = running[index]
             num_computed = request.num_computed_tokens
+            if plain and num_computed < request.num_covered_tokens and num_computed >= len(
+                    request.prompt_token_ids):
+                pending = request.num_output_placeholders
+                if num_computed + 1 == len(request.all_token_ids) + pending and (
+                        not pending or (num_computed + 1 < max_model_len and len(
+                            request.output_token_ids) + pending < request.max_tokens)):
+                    decode(request, no_new_blocks)
+                    num_tokens -= 1
+                    num_decodes += 1
+                    num_keys += num_computed + 1
+                    index += 1
+                    continue
+            plan.spent(num_decodes, num_keys)  # (the general case reads the plan's budgets)
+            num_decodes = num_keys = 0
             num_new = to_schedule(request, num_computed, plan)
             if request.spec_token_ids and num_new > 0:  # the drafts the budget leaves room for
                 del request.spec_token_ids[num_new - 1:]
             if num_new <= 0:
                 index += 1
-                continue
-            if num_new == 1 and covers is not None and covers(request.request_id,
-                                                              num_computed + 1):
-                plan.schedule(request, 1, no_new_blocks)
+            elif (num_new == 1 and not self.spec.num_lookahead
+                  and num_computed < request.num_covered_tokens):
+                plan.schedule(request, 1, no_new_blocks)  # (no allocation needed)
                 index += 1
-                continue
-            while (block_ids := allocate(request, num_new)) is None:
-                victim = running.pop()
-                self._preempt(victim, plan)
-                if victim is request:
-                    break  # `index` is now past the end
             else:
-                plan.schedule(request, num_new, block_ids)
-                index += 1
+                while (block_ids := allocate(request, num_new)) is None:
+                    plan.resolve_prefill_cap()  # (before `running` changes)
+                    victim = running.pop()
+                    self._preempt(victim, plan)
+                    if victim is request:
+                        break  # `index` is now past the end
+                else:
+                    plan.schedule(request, num_new, block_ids)
+                    index += 1
+            num_tokens = plan.num_tokens
+        plan.spent(num_decodes, num_keys)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free a request taken off `running`; it waits again, to be recomputed."""
@@ -298,6 +332,7 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, num_computed: int, num_new: int, plan: StepPlan) -> None:
+        plan.resolve_prefill_cap()  # (before `running` changes)
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed
@@ -310,11 +345,6 @@ class Scheduler:
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        requests = self.requests
-        cached = [
-            CachedRequestData(req_id, block_ids, requests[req_id].num_computed_tokens)
-            for req_id, block_ids in plan.new_block_ids.items()
-        ]
         new = [
             NewRequestData(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                            r.sampling_params, kv.get_block_ids(r.request_id),
@@ -325,7 +355,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new,
-            scheduled_cached_reqs=cached,
+            scheduled_cached_reqs=list(plan.cached.values()),
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=sum(plan.num_scheduled.values()),
             finished_req_ids=finished,

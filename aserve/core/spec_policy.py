@@ -10,8 +10,9 @@ calls one of these at fixed points of a step and knows nothing else of speculati
                           propose (within PROPOSE_SECONDS), finish (via `_free`)
 
 `NoSpeculation` answers them without speculating (no drafts, no lookahead, one token a step),
-so the scheduler has no branch of its own on whether a model speculates. The proposers and
-the cost rule (`worthwhile_drafts`) are `speculation.py`'s.
+so the scheduler has no branch of its own on whether a model speculates, beyond `speculates`:
+without it a plain decode takes the scheduler's own loop (none of the calls above). The
+proposers and the cost rule (`worthwhile_drafts`) are `speculation.py`'s.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class NoSpeculation:
     """A model that does not speculate: a token a step, no slots past it."""
 
     num_lookahead = 0
+    speculates = False
 
     def would_draft(self, request: Request, num_running: int) -> bool:
         return False
@@ -72,6 +74,8 @@ class NoSpeculation:
 class SpecPolicy(NoSpeculation):
     """Drafts for the requests whose drafts pay (`worthwhile_drafts`, from `step_cost`'s fit,
     each request's acceptance so far and a draft model's pass time), within `max_model_len`."""
+
+    speculates = True
 
     def __init__(self, config: SpeculativeConfig, step_cost: StepCostModel,
                  max_model_len: int) -> None:

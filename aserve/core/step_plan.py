@@ -5,22 +5,30 @@
                                   in tokens of the step-cost fit: a chunk after C tokens
                                   spends its tokens and `key_cost_tokens` per key it attends
                                   (`step_cost.chunk_cost`), so a chunk over a long cached
-                                  prefix gets fewer tokens than one at the start of a prompt
+                                  prefix gets fewer tokens than one at the start of a prompt;
+                                  worked out when first needed (`resolve_prefill_cap`): a step
+                                  of decodes alone never asks
     num_decodes   the requests given a decode (not a prefill chunk) so far
     num_keys      the keys the rows given so far attend (`step_cost.attention_keys`)
+    decode(request)                   a running request's plain decode, which the scheduler
+                                      found needs no block (one token; its budgets the
+                                      scheduler's loop counts and hands over with `spent`)
     schedule(request, n, block_ids)   a running request gets n tokens and its new blocks
     admit(request, n)                 a waiting (or loaded) request is admitted with n tokens
     unschedule(victim)                a preempted request: its tokens go back to the budgets
 
 A prefill chunk (`is_prefill`) spends both budgets, a decode only the first. The plan lives for
-one `schedule()` call, which then turns it into a `SchedulerOutput`; it reads a request's
-`num_computed_tokens` as it was before the step (the scheduler advances them afterwards).
+one `schedule()` call, which then turns it into a `SchedulerOutput`: the running requests'
+`CachedRequestData` are made as they are scheduled; `decodes` (one token each) and `others`
+are the requests whose counters the step moves on. It reads a request's `num_computed_tokens`
+as it was before the step (the scheduler advances them afterwards).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from aserve.core.outputs import CachedRequestData
 from aserve.core.request import Request
 from aserve.core.step_cost import attention_keys, tokens_within
 
@@ -38,45 +46,74 @@ def is_prefill(request: Request, num_computed: int, num_new: int) -> bool:
 
 
 class StepPlan:
-    def __init__(self, num_tokens: int, num_prefill_tokens: float,
-                 key_cost_tokens: float = 0.0) -> None:
+    def __init__(self, num_tokens: int,
+                 prefill_cap: Callable[[], tuple[float, float]] | None = None) -> None:
+        """`prefill_cap()`: the step's prefill budget and `key_cost_tokens` (asked once, at
+        the first prefill, or where `resolve_prefill_cap` is called); None: the whole token
+        budget, each token at its count."""
         self.num_tokens = num_tokens
-        self.num_prefill_tokens = num_prefill_tokens
-        self.key_cost_tokens = key_cost_tokens
+        self._budget = num_tokens
+        self._prefill_cap = prefill_cap
+        self.num_prefill_tokens: float | None = None  # (`resolve_prefill_cap`)
+        self.key_cost_tokens = 0.0
         # In batch order: running requests first, then admitted ones.
         self.num_scheduled: dict[str, int] = {}
-        self.new_block_ids: dict[str, tuple[Sequence[int], ...]] = {}  # running requests' only
+        self.cached: dict[str, CachedRequestData] = {}  # the running requests'
+        self.decodes: list[Request] = []  # running requests given one token by `decode`
+        self.others: list[Request] = []  # every other request scheduled, admitted ones too
         self.admitted: list[Request] = []
         self.preempted: list[Request] = []
         self.num_decodes = 0
         self.num_keys = 0
+
+    def resolve_prefill_cap(self) -> None:
+        """Fix the prefill budget (once). The first prefill asks for it; the scheduler asks
+        before anything changes what it is worked out from (the running and waiting requests)."""
+        if self.num_prefill_tokens is None:
+            if self._prefill_cap is None:
+                self.num_prefill_tokens = self._budget
+            else:
+                self.num_prefill_tokens, self.key_cost_tokens = self._prefill_cap()
 
     def limit(self, prefill: bool, num_computed: int) -> int:
         """The most tokens one more request, `num_computed` tokens in, may get: a prefill
         chunk within both budgets (at least one token while the prefill budget lasts)."""
         if not prefill:
             return self.num_tokens
+        self.resolve_prefill_cap()
         within = tokens_within(self.num_prefill_tokens, num_computed, self.key_cost_tokens)
         if not within and self.num_prefill_tokens > 0:
             within = 1
         return min(self.num_tokens, within)
 
+    def decode(self, request: Request, no_new_blocks: tuple[Sequence[int], ...]) -> None:
+        """One token for a running request past its prompt that needs no block; its budgets
+        are the caller's to count (`spent`)."""
+        req_id = request.request_id
+        self.num_scheduled[req_id] = 1
+        self.cached[req_id] = CachedRequestData(req_id, no_new_blocks,
+                                                request.num_computed_tokens)
+        self.decodes.append(request)
+
+    def spent(self, num_decodes: int, num_keys: int) -> None:
+        """`num_decodes` plain decodes (`decode`), attending `num_keys` keys in all."""
+        self.num_tokens -= num_decodes
+        self.num_decodes += num_decodes
+        self.num_keys += num_keys
+
     def schedule(self, request: Request, num_tokens: int, block_ids: tuple[Sequence[int], ...]
                  ) -> None:
         req_id = request.request_id
-        self.num_scheduled[req_id] = num_tokens
-        self.new_block_ids[req_id] = block_ids
         num_computed = request.num_computed_tokens
-        if num_tokens == 1 and num_computed >= len(request.prompt_token_ids):
-            self.num_tokens -= 1  # (most calls: a decode; `_spend`'s sums for one token)
-            self.num_keys += num_computed + 1
-            self.num_decodes += 1
-        else:
-            self._spend(request, num_tokens)
+        self.num_scheduled[req_id] = num_tokens
+        self.cached[req_id] = CachedRequestData(req_id, block_ids, num_computed)
+        self.others.append(request)
+        self._spend(request, num_tokens)
 
     def admit(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled[request.request_id] = num_tokens
         self.admitted.append(request)
+        self.others.append(request)
         self._spend(request, num_tokens)
 
     def unschedule(self, request: Request) -> None:
@@ -84,7 +121,10 @@ class StepPlan:
         num_given = self.num_scheduled.pop(request.request_id, 0)
         if num_given:
             self._spend(request, -num_given)
-        self.new_block_ids.pop(request.request_id, None)
+            self.cached.pop(request.request_id, None)
+            for scheduled in (self.decodes, self.others):
+                if request in scheduled:
+                    scheduled.remove(request)
         self.preempted.append(request)
 
     def _spend(self, request: Request, num_tokens: int) -> None:
@@ -96,6 +136,7 @@ class StepPlan:
         self.num_tokens -= num_tokens
         self.num_keys += sign * keys
         if is_prefill(request, num_computed, count):
+            self.resolve_prefill_cap()
             self.num_prefill_tokens -= sign * (count + self.key_cost_tokens * keys)
         else:
             self.num_decodes += sign

@@ -111,6 +111,12 @@ def test_more_streams_than_prefill_cap_decodes_scale_the_ratio_down() -> None:
     while decoding() < 4:
         schedule_of(runner)
     streams = decoding()
+    # (the cap is worked out for a step that has prefill to carry: one of decodes alone
+    # never asks)
+    asked = len(cost.asked)
+    schedule_of(runner)
+    assert len(cost.asked) == asked
+    scheduler.add_request(make_request("last", prompt(300, 30), max_tokens=2))
     schedule_of(runner)
     assert cost.asked[-1] == 2.0 * 2 / streams
     runner.run_until_done()
