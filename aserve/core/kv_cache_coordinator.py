@@ -115,27 +115,41 @@ class KVCacheCoordinator:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_tokens)
-        request.num_covered_tokens = self.covered_tokens(req_id)
+        self.set_bounds(request)
         return new_blocks
 
-    def covered_tokens(self, req_id: str) -> int:
-        """The most tokens `req_id`'s blocks cover in every (full-attention) group with none of
-        them filling a block not registered yet: `allocate_slots` up to that many would change
-        nothing (a decode inside its last block: most requests of most steps). 0 where a
-        sliding group's blocks change as the window moves. (Hashes may then lag behind;
-        whoever reads them extends them first.)"""
-        if not self._all_full:
-            return 0
-        size, caching, covered = self.block_size, self.pool.enable_caching, None
-        for manager in self.managers:
-            blocks = manager.req_to_blocks.get(req_id)
-            if blocks is None:
-                return 0
-            num = len(blocks) * size
-            if caching:  # a token that fills block k needs the block registered
-                num = min(num, (manager.num_cached_blocks.get(req_id, 0) + 1) * size - 1)
-            covered = num if covered is None else min(covered, num)
-        return covered or 0
+    def set_bounds(self, request: Request) -> None:
+        """Set what the request's blocks hold with nothing to allocate, in every
+        (full-attention) group: `num_slot_tokens`, the tokens they have room for, and
+        `num_covered_tokens`, the most tokens with none of them filling a block not registered
+        yet — `allocate_slots` up to that many would change nothing (a decode inside its last
+        block: most requests of most steps); up to `num_slot_tokens` it would only register
+        (`register_full_blocks`). Both 0 where a sliding group's blocks change as the window
+        moves. (Hashes may lag behind; whoever reads them extends them first.)"""
+        slots = covered = 0
+        if self._all_full:
+            size, caching, req_id = self.block_size, self.pool.enable_caching, request.request_id
+            for group_id, manager in enumerate(self.managers):
+                blocks = manager.req_to_blocks.get(req_id)
+                if blocks is None:
+                    slots = covered = 0
+                    break
+                num = len(blocks) * size
+                slots = num if group_id == 0 else min(slots, num)
+                if caching:  # a token that fills block k needs the block registered
+                    num = min(num, (manager.num_cached_blocks.get(req_id, 0) + 1) * size - 1)
+                covered = num if group_id == 0 else min(covered, num)
+        request.num_slot_tokens, request.num_covered_tokens = slots, covered
+
+    def register_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """`allocate_slots` where the request's blocks have room for `num_tokens` already
+        (`num_slot_tokens`, no hit, nothing a connector loads): register the blocks they
+        fill."""
+        if self.pool.enable_caching:
+            update_block_hashes(request, self.block_size)
+            for manager in self.managers:
+                manager.cache_blocks(request, num_tokens)
+        self.set_bounds(request)
 
     def cache_loaded_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """A KV connector has loaded the request's blocks up to `num_computed_tokens`: null
@@ -147,7 +161,7 @@ class KVCacheCoordinator:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
                 manager.cache_blocks(request, num_computed_tokens)
-        request.num_covered_tokens = self.covered_tokens(request.request_id)
+        self.set_bounds(request)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(req_id) for m in self.managers)

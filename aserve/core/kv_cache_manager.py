@@ -45,8 +45,9 @@ class KVCacheManager:
         self.enable_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
         self.coordinator = KVCacheCoordinator(groups, self.block_pool)
-        # What `allocate_slots` returns where a request's blocks cover the tokens already
-        # (`Request.num_covered_tokens`, which the scheduler checks for a plain decode)
+        # What `allocate_slots` returns where a request's blocks hold the tokens already
+        # (`Request.num_slot_tokens`; `num_covered_tokens`, which the scheduler checks for a
+        # plain decode, where there is nothing to register either)
         self.no_new_blocks = self.coordinator.no_new_blocks
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -102,8 +103,12 @@ class KVCacheManager:
         """
         num_tokens = (request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
                       + num_external_tokens)
-        if new_computed_blocks is None and num_tokens <= request.num_covered_tokens:
-            return self.coordinator.no_new_blocks  # nothing to do: no new block ids
+        if new_computed_blocks is None and not num_external_tokens:
+            if num_tokens <= request.num_covered_tokens:
+                return self.coordinator.no_new_blocks  # nothing to do: no new block ids
+            if num_tokens <= request.num_slot_tokens:  # room: only full blocks to register
+                self.coordinator.register_full_blocks(request, num_tokens)
+                return self.coordinator.no_new_blocks
         is_new = not self.coordinator.holds(request.request_id)
         new_blocks = self.coordinator.allocate_slots(request, num_tokens, new_computed_blocks,
                                                      delay_cache_blocks=num_external_tokens > 0)
@@ -133,7 +138,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, and forget it. Unknown requests: no-op."""
         self.coordinator.free(request.request_id)
-        request.num_covered_tokens = 0
+        request.num_slot_tokens = request.num_covered_tokens = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key; refused (False) while any block is in use."""

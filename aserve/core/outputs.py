@@ -14,7 +14,7 @@ positions are outside every window, so attention never reads them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -139,6 +139,34 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class StepOutputs:
+    """What a step gave its requests (`Scheduler.update_from_output`): `outputs`, one
+    `EngineCoreOutput` per request with anything to tell besides one token, and the rest in two
+    columns — request `req_ids[i]` got `token_ids[i]`, its one new token, and nothing else (not
+    its first token, not finished, no logprobs, no drafts): most requests of most steps, for
+    which an object each would cost more than the token. Iterating gives every output as an
+    `EngineCoreOutput` (those of the columns made then); the `OutputProcessor` reads the
+    columns as they are."""
+
+    __slots__ = ("outputs", "req_ids", "token_ids")
+
+    def __init__(self, outputs: list[EngineCoreOutput] | None = None) -> None:
+        self.outputs: list[EngineCoreOutput] = [] if outputs is None else outputs
+        self.req_ids: list[str] = []
+        self.token_ids: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs) or bool(self.req_ids)
+
+    def __len__(self) -> int:
+        return len(self.outputs) + len(self.req_ids)
+
+    def __iter__(self) -> Iterator[EngineCoreOutput]:
+        yield from self.outputs
+        for req_id, token_id in zip(self.req_ids, self.token_ids, strict=True):
+            yield EngineCoreOutput(req_id, [token_id])
 
 
 @dataclass

@@ -72,9 +72,10 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling; -1: not yet
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks, in order
-        # The most tokens its blocks cover with nothing to allocate or register (the KV cache
-        # manager's, `KVCacheCoordinator.covered_tokens`): a decode within needs no call
-        self.num_covered_tokens = 0
+        # The KV cache manager's (`KVCacheCoordinator.set_bounds`): the tokens its blocks have
+        # room for, and the most of them with nothing to register either (a decode within
+        # needs no call)
+        self.num_slot_tokens = self.num_covered_tokens = 0
         self.pooling_params = pooling_params
         self.max_tokens = (0 if pooling_params is not None
                            else sampling_params.max_tokens or 1 << 62)

@@ -9,7 +9,8 @@ That covers chunked prefill, prefix-cache hits and resumption after preemption a
                  waiting ──(if nothing was preempted: prefix hit, blocks, max_num_seqs)─┤
                                                         StepPlan ─► SchedulerOutput ◄───┘
     update_from_output(): append sampled tokens, check stops, free finished requests' blocks;
-                          finish the pooling requests whose prompt the runner pooled.
+                          finish the pooling requests whose prompt the runner pooled; the
+                          step's outputs (`StepOutputs`: a plain token goes in its columns).
 
 `running` is in preemption order, the victim last: admission order (FCFS), or sorted by
 `Request.sort_key` as requests join it, ties in admission order (priority), so that a victim is
@@ -39,6 +40,7 @@ from aserve.core.outputs import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    StepOutputs,
 )
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import FINISH_REASONS, Request, RequestStatus
@@ -365,8 +367,9 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        outputs: list[EngineCoreOutput] = []
+                           runner_output: ModelRunnerOutput) -> StepOutputs:
+        step = StepOutputs()
+        outputs = step.outputs
         spec = self.spec
         spec.observe(runner_output)
         for request in self.remote_kv.update_from_output(runner_output.kv_connector_output):
@@ -386,11 +389,37 @@ class Scheduler:
         verified_tokens, propose, free, running_reqs = (spec.verified_tokens, spec.propose,
                                                         self._free, self.running)
         finish_reason_of = FINISH_REASONS.get  # (`Request.finish_reason`, without the call)
+        # A step without drafts or logprobs gives each request one token (or none, a prompt
+        # chunk): most steps. A token that neither ends its request nor is its first goes to
+        # the step's columns (`StepOutputs`), with no object made for it.
+        plain = not spec.speculates and not all_prompt_logprobs and not all_logprobs
+        plain_req_ids, plain_token_ids = step.req_ids, step.token_ids
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                      strict=True):
             request = requests.get(req_id)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
+            if plain:
+                if token_id is None:
+                    continue
+                if request.num_output_placeholders:
+                    request.num_output_placeholders -= 1
+                output_ids, all_ids = request.output_token_ids, request.all_token_ids
+                output_ids.append(token_id)
+                all_ids.append(token_id)
+                if (1 < len(output_ids) < request.max_tokens and len(all_ids) < max_model_len
+                        and token_id not in request.stop_token_ids):
+                    plain_req_ids.append(req_id)
+                    plain_token_ids.append(token_id)
+                    continue
+                kv_transfer_params = None
+                if request.check_stop(token_id, max_model_len):
+                    running_reqs.remove(request)
+                    kv_transfer_params = free(request)
+                outputs.append(EngineCoreOutput(
+                    req_id, [token_id], None, None, finish_reason_of(request.status),
+                    request.stop_reason, max(request.num_cached_tokens, 0), kv_transfer_params))
+                continue
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:
                 prompt_logprobs = self._drop_resent_prompt_logprobs(
@@ -420,7 +449,7 @@ class Scheduler:
                 prompt_logprobs, finish_reason_of(request.status), request.stop_reason,
                 max(request.num_cached_tokens, 0), kv_transfer_params))
             propose(request, len(running_reqs))
-        return outputs
+        return step
 
     def _finish_pooled(self, req_id: str, vector) -> list[EngineCoreOutput]:
         """A pooling request whose prompt the runner has pooled: finished, its blocks freed,

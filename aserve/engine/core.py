@@ -23,6 +23,7 @@ from aserve.core.outputs import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    StepOutputs,
 )
 from aserve.core.request import Request
 from aserve.core.scheduler import Scheduler
@@ -175,17 +176,17 @@ class EngineCore:
         if self.kv_connector is not None and scheduler_output.is_empty and not self._in_flight:
             time.sleep(KV_POLL_S)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> StepOutputs:
         if self.async_scheduling:
             return self._step_overlapped()
         if not self.has_work():
-            return []
+            return StepOutputs()
         scheduler_output = self.scheduler.schedule()
         self._wait_for_transfers(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         return self._update(scheduler_output, runner_output)
 
-    def _step_overlapped(self) -> list[EngineCoreOutput]:
+    def _step_overlapped(self) -> StepOutputs:
         """Schedule step N+1 while step N runs in the worker thread, start N+1 as soon as N
         is done, then turn N's tokens into outputs while N+1 runs.
 
@@ -206,10 +207,10 @@ class EngineCore:
             done = (oldest, future.result())
         if scheduler_output is not None:
             self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
-        return self._update(*done) if done is not None else []
+        return self._update(*done) if done is not None else StepOutputs()
 
     def _update(self, scheduler_output: SchedulerOutput,
-                runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+                runner_output: ModelRunnerOutput) -> StepOutputs:
         self.num_steps += 1
         self.forward_seconds += runner_output.forward_seconds
         num_decode = scheduler_output.num_decode_tokens
@@ -269,9 +270,10 @@ class EngineCore:
                 elif isinstance(command, ResetPrefixCache):
                     command.reply(self.reset_prefix_cache())
             outputs = self.step()
+            outputs.outputs[:0] = aborted
             stats = self.stats()
-            if outputs or aborted or stats != published:
-                publish(EngineCoreOutputs(aborted + outputs, stats))
+            if outputs or stats != published:
+                publish(EngineCoreOutputs(outputs, stats))
                 published = stats
 
 

@@ -65,7 +65,9 @@ class IncrementalDetokenizer:
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a UTF-8 sequence: the output must not complete it.
             context, context_text = [], ""
-        self._ids = context  # prompt context, then every output id
+        # The prompt context, then every output id. `update` appends to it; a deferred one's
+        # owner may append to it directly (its text is decoded when it finishes).
+        self.ids = context
         self._num_context_tokens = len(context)
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -79,11 +81,11 @@ class IncrementalDetokenizer:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._ids) - self._num_context_tokens
+        return len(self.ids) - self._num_context_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._ids[self._num_context_tokens:]
+        return self.ids[self._num_context_tokens:]
 
     def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str | None:
         """Append `new_token_ids` and their text; return the stop string if one now appears, after
@@ -91,7 +93,7 @@ class IncrementalDetokenizer:
         Once a stop string has matched, further updates change nothing."""
         if self.stop_str is not None:
             return None
-        self._ids.extend(new_token_ids)
+        self.ids.extend(new_token_ids)
         if self.defer and not finished:
             return None
         new_text = self._decode_new_text(flush=finished)
@@ -121,9 +123,9 @@ class IncrementalDetokenizer:
         """Text of the ids past the read offset, or "" while it is empty or ends in an incomplete
         UTF-8 sequence or a byte-token run (unless `flush`). Advances the window when it returns
         text."""
-        if not flush and self._ends_in_byte_run(self._ids):
+        if not flush and self._ends_in_byte_run(self.ids):
             return ""
-        text = self._decode(self._ids[self._prefix_offset:])
+        text = self._decode(self.ids[self._prefix_offset:])
         if len(text) <= len(self._prefix_text):
             return ""
         if text.endswith(REPLACEMENT_CHAR) and not flush:
@@ -135,8 +137,8 @@ class IncrementalDetokenizer:
             while common < len(self._prefix_text) and text[common] == self._prefix_text[common]:
                 common += 1
             new_text = text[common:]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+        self._prefix_text = self._decode(self.ids[self._prefix_offset:])
         return new_text
 
     def _ends_in_byte_run(self, ids: list[int]) -> bool:

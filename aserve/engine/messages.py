@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aserve.config import ModelInfo
-from aserve.core.outputs import EngineCoreOutput, SchedulerStats
+from aserve.core.outputs import SchedulerStats, StepOutputs
 from aserve.core.request import Request
 from aserve.engine.step_log import StepLog
 
@@ -54,7 +54,7 @@ class EngineReady:
 
 @dataclass(frozen=True)
 class EngineCoreOutputs:
-    outputs: list[EngineCoreOutput]
+    outputs: StepOutputs  # a step's, aborted requests' first
     stats: SchedulerStats
 
 

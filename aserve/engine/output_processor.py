@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from aserve.core.outputs import EngineCoreOutput, LogprobsLists
+from aserve.core.outputs import EngineCoreOutput, LogprobsLists, StepOutputs
 from aserve.engine.detokenizer import IncrementalDetokenizer
 from aserve.engine.outputs import (
     CompletionOutput,
@@ -126,37 +126,53 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents) or bool(self.pooling)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
-                        ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, step: StepOutputs) -> tuple[list[RequestOutput], list[str]]:
         """Return the `RequestOutput`s to hand out (streaming parents: one per update; others:
         one when finished), and the child ids to abort in the engine (their stop string matched
         here)."""
         ready: list[RequestOutput] = []
         to_abort: list[str] = []
-        for output in outputs:
-            child = self.children.get(output.req_id)
-            if child is None:  # a pooling request's (one, finished), or a forgotten one's
-                pooled = self._pooled(output)
-                if pooled is not None:
-                    ready.append(pooled)
-                continue
-            stop_str = self._process_one(child, output)
-            if stop_str is not None:
-                to_abort.append(output.req_id)
-            parent = child.parent
-            if child.finish_reason is not None:
-                del self.children[output.req_id]
-                parent.completions[child.index] = child.completion()
-                parent.num_unfinished -= 1
-                if parent.finished:
-                    del self.parents[parent.request_id]
-                    if not parent.stream:
-                        ready.append(self._request_output(parent))
-            if parent.stream:
-                delta = self._delta_output(child)
-                if delta is not None:
-                    ready.append(delta)
+        children = self.children
+        for output in step.outputs:
+            self._process(output, ready, to_abort)
+        # The step's plain tokens (one each, nothing else to tell): a child whose text is read
+        # only when it finishes (an offline `generate`'s) keeps the id and nothing more.
+        for req_id, token_id in zip(step.req_ids, step.token_ids, strict=True):
+            child = children.get(req_id)
+            if child is None:
+                continue  # forgotten: its client went away
+            detokenizer = child.detokenizer
+            if detokenizer.defer:
+                child.token_ids.append(token_id)
+                detokenizer.ids.append(token_id)
+            else:
+                self._process(EngineCoreOutput(req_id, [token_id]), ready, to_abort)
         return ready, to_abort
+
+    def _process(self, output: EngineCoreOutput, ready: list[RequestOutput],
+                 to_abort: list[str]) -> None:
+        child = self.children.get(output.req_id)
+        if child is None:  # a pooling request's (one, finished), or a forgotten one's
+            pooled = self._pooled(output)
+            if pooled is not None:
+                ready.append(pooled)
+            return
+        stop_str = self._process_one(child, output)
+        if stop_str is not None:
+            to_abort.append(output.req_id)
+        parent = child.parent
+        if child.finish_reason is not None:
+            del self.children[output.req_id]
+            parent.completions[child.index] = child.completion()
+            parent.num_unfinished -= 1
+            if parent.finished:
+                del self.parents[parent.request_id]
+                if not parent.stream:
+                    ready.append(self._request_output(parent))
+        if parent.stream:
+            delta = self._delta_output(child)
+            if delta is not None:
+                ready.append(delta)
 
     def _pooled(self, output: EngineCoreOutput) -> PoolingRequestOutput | None:
         request = self.pooling.pop(output.req_id, None)

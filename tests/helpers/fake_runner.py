@@ -133,7 +133,7 @@ class FakeRunner:
         done = (output, self.execute(output))
         if scheduler.config.async_scheduling:
             done, self.in_flight = self.in_flight, done
-        outputs = scheduler.update_from_output(*done) if done is not None else []
+        outputs = list(scheduler.update_from_output(*done)) if done is not None else []
         scheduler.check_invariants()
         for out in outputs:
             self.streamed.setdefault(out.req_id, []).extend(out.new_token_ids)
