@@ -26,6 +26,7 @@ per KV cache group: the `KVCacheManager` answers for every group at once. A KV c
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable, Sequence
 
 from aserve.config import CacheConfig, SchedulerConfig
@@ -34,6 +35,7 @@ from aserve.core.kv_cache_manager import KVCacheManager
 from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.kv_connector import KVConnectorScheduler
 from aserve.core.outputs import (
+    CachedRequestData,
     EngineCoreOutput,
     LogprobsLists,
     ModelRunnerOutput,
@@ -48,6 +50,9 @@ from aserve.core.request_queue import create_request_queue
 from aserve.core.spec_policy import make_spec_policy
 from aserve.core.step_cost import StepCostModel, chunk_cost, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
+
+# `CachedRequestData(*fields)` without the Python-level `__new__` a NamedTuple has
+new_cached_data = functools.partial(tuple.__new__, CachedRequestData)
 
 
 class Scheduler:
@@ -220,11 +225,13 @@ class Scheduler:
         no_new_blocks = kv.no_new_blocks
         # A plain decode — one token past the prompt, inside the blocks it holds
         # (`num_covered_tokens`), its token in flight (if any) not its last — is the whole of
-        # most requests of most steps: this loop schedules it itself (`plan.decode`, its
-        # budgets counted here), in place of the calls below. Not under speculation (drafts,
-        # lookahead slots), nor with batches queued behind the one in flight.
+        # most requests of most steps: this loop enters it in the plan itself (its budgets
+        # counted here, handed over with `plan.spent`), in place of the calls below. Not
+        # under speculation (drafts, lookahead slots), nor with batches queued behind the
+        # one in flight.
         plain = not self.spec.speculates and self.config.max_batches_in_flight == 1
-        max_model_len, decode = self.config.max_model_len, plan.decode
+        max_model_len = self.config.max_model_len
+        num_scheduled, cached, decodes = plan.num_scheduled, plan.cached, plan.decodes
         num_tokens, num_decodes, num_keys = plan.num_tokens, 0, 0
         index = 0
         while index < len(running) and num_tokens > 0:
@@ -236,7 +243,10 @@ class Scheduler:
                 if num_computed + 1 == len(request.all_token_ids) + pending and (
                         not pending or (num_computed + 1 < max_model_len and len(
                             request.output_token_ids) + pending < request.max_tokens)):
-                    decode(request, no_new_blocks)
+                    req_id = request.request_id
+                    num_scheduled[req_id] = 1
+                    cached[req_id] = new_cached_data((req_id, no_new_blocks, num_computed))
+                    decodes.append(request)
                     num_tokens -= 1
                     num_decodes += 1
                     num_keys += num_computed + 1

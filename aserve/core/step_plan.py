@@ -10,9 +10,9 @@
                                   of decodes alone never asks
     num_decodes   the requests given a decode (not a prefill chunk) so far
     num_keys      the keys the rows given so far attend (`step_cost.attention_keys`)
-    decode(request)                   a running request's plain decode, which the scheduler
-                                      found needs no block (one token; its budgets the
-                                      scheduler's loop counts and hands over with `spent`)
+    spent(num_decodes, num_keys)      plain decodes the scheduler's loop entered itself
+                                      (one token past the prompt, no block needed): their
+                                      budgets, counted there
     schedule(request, n, block_ids)   a running request gets n tokens and its new blocks
     admit(request, n)                 a waiting (or loaded) request is admitted with n tokens
     unschedule(victim)                a preempted request: its tokens go back to the budgets
@@ -86,17 +86,10 @@ class StepPlan:
             within = 1
         return min(self.num_tokens, within)
 
-    def decode(self, request: Request, no_new_blocks: tuple[Sequence[int], ...]) -> None:
-        """One token for a running request past its prompt that needs no block; its budgets
-        are the caller's to count (`spent`)."""
-        req_id = request.request_id
-        self.num_scheduled[req_id] = 1
-        self.cached[req_id] = CachedRequestData(req_id, no_new_blocks,
-                                                request.num_computed_tokens)
-        self.decodes.append(request)
-
     def spent(self, num_decodes: int, num_keys: int) -> None:
-        """`num_decodes` plain decodes (`decode`), attending `num_keys` keys in all."""
+        """`num_decodes` plain decodes, attending `num_keys` keys in all: running requests
+        given one token past their prompt that needs no block, which the scheduler's loop
+        entered itself (in `num_scheduled`, `cached` and `decodes`)."""
         self.num_tokens -= num_decodes
         self.num_decodes += num_decodes
         self.num_keys += num_keys

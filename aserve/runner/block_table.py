@@ -21,10 +21,14 @@ group instead of one list-to-array conversion per request.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
+from operator import attrgetter
 
 import numpy as np
 
 from aserve.core.outputs import SchedulerOutput
+
+NEW_BLOCK_IDS = attrgetter("new_block_ids")
 
 
 class BlockTables:
@@ -45,9 +49,10 @@ class BlockTables:
             self.remove(req_id)
         for new in so.scheduled_new_reqs:
             self.add(new.req_id, new.block_ids)
-        for cached in so.scheduled_cached_reqs:
-            if any(cached.new_block_ids):  # (most steps of most requests: no new block)
-                self.append(cached.req_id, cached.new_block_ids)
+        cached = so.scheduled_cached_reqs  # (most steps of most requests: no new block;
+        # picked out by C-level maps, no bytecode a request)
+        for req_id, new_block_ids, _ in compress(cached, map(any, map(NEW_BLOCK_IDS, cached))):
+            self.append(req_id, new_block_ids)
 
     def add(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
         """A request sent whole (`NewRequestData.block_ids`, one list per group)."""
@@ -74,7 +79,8 @@ class BlockTables:
 
     def gather(self, req_ids: Sequence[str]) -> list[np.ndarray]:
         """Per group, [len(req_ids), longest of their rows] int32: row i is request i's ids."""
-        rows = np.fromiter((self.rows[r] for r in req_ids), dtype=np.intp, count=len(req_ids))
+        rows = np.fromiter(map(self.rows.__getitem__, req_ids), dtype=np.intp,
+                           count=len(req_ids))
         widths = self.num_blocks[:, rows].max(axis=1, initial=0)  # [group]
         return [table[rows, :width] for table, width in zip(self.tables, widths.tolist())]
 

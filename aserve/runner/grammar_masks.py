@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 
 import torch
 
@@ -63,6 +65,7 @@ class TokenMasks:
 
 
 NO_MASKS = TokenMasks([], None, [])
+GRAMMAR_OF = attrgetter("grammar")
 
 
 class GrammarMasks:
@@ -82,7 +85,8 @@ class GrammarMasks:
         releases the GIL; the fill depends only on tokens already accepted, not on logits).
         `drafts[k]`: the speculative drafts row k comes after (its mask is the grammar's after
         them; such a row is always masked ahead)."""
-        constrained = [k for k, state in enumerate(states) if state.grammar is not None]
+        constrained = list(compress(range(len(states)),  # (C-level: no bytecode a row)
+                                    map(is_not, map(GRAMMAR_OF, states), repeat(None))))
         if not constrained:
             return NO_MASKS
         after = [drafts[k] if drafts else [] for k in range(len(states))]

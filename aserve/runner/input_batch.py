@@ -17,10 +17,17 @@ holds t.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import compress, repeat
+from operator import attrgetter, getitem, is_not
 
 import numpy as np
 
 from aserve.runner.request_state import CachedRequestState
+
+# (what every request gives every step, read by C-level maps: no bytecode a request)
+_COMPUTED = attrgetter("num_computed_tokens")
+_TOKENS = attrgetter("all_token_ids")
+_PROMPT_LOGPROBS = attrgetter("sampling_params.prompt_logprobs")
 
 
 @dataclass
@@ -64,18 +71,18 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
-    computed = [s.num_computed_tokens for s in states]  # (Python ints for the loops below)
+    computed = list(map(_COMPUTED, states))  # (Python ints for the slicing below)
+    token_lists = list(map(_TOKENS, states))
     num_computed = np.array(computed, dtype=np.int32)
     seq_lens = num_computed + query_lens  # [num_reqs]
 
     if query_start_loc[-1] == num_reqs:  # decode-only step: one token each (none has 0)
-        input_ids = np.array([s.all_token_ids[c] for s, c in zip(states, computed)],
-                             dtype=np.int64)
+        input_ids = np.array(list(map(getitem, token_lists, computed)), dtype=np.int64)
         positions = num_computed.astype(np.int64)
     else:
         input_ids = np.concatenate([
-            np.asarray((s.all_token_ids + d if d else s.all_token_ids)[c:c + n], dtype=np.int64)
-            for s, c, n, d in zip(states, num_computed, num_scheduled,
+            np.asarray((t + d if d else t)[c:c + n], dtype=np.int64)
+            for t, c, n, d in zip(token_lists, computed, num_scheduled,
                                   drafts or [None] * num_reqs)
         ])
         # position of each token = its request's computed count + its offset in the query
@@ -89,13 +96,14 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         block_ids = block_table[req_of_token, positions // block_size]
         slot_mappings.append(block_ids.astype(np.int64) * block_size + positions % block_size)
 
-    num_drafts = [len(d) for d in drafts] if drafts else [0] * num_reqs
-    sample_req_indices = [
-        i for i, (s, c, n, k) in enumerate(zip(states, computed, num_scheduled, num_drafts))
-        if c + n == len(s.all_token_ids) + k]
+    # a request samples where its query reaches its last known token (and its drafts)
+    num_known = np.fromiter(map(len, token_lists), dtype=np.int64, count=num_reqs)
+    if drafts:
+        num_known += np.fromiter(map(len, drafts), dtype=np.int64, count=num_reqs)
+    sample_req_indices = np.flatnonzero(seq_lens == num_known).tolist()
     rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
     spans = []
-    for i in [i for i, s in enumerate(states) if s.sampling_params.prompt_logprobs is not None]:
+    for i in compress(range(num_reqs), map(is_not, map(_PROMPT_LOGPROBS, states), repeat(None))):
         state, c, n = states[i], computed[i], num_scheduled[i]
         end = min(c + n, state.num_prompt_tokens - 1)
         if c < end:

@@ -64,6 +64,12 @@ from aserve.structured_output import apply_token_bitmask
 T = TypeVar("T")
 
 
+def _rows(items: list[T], indices: list[int]) -> list[T]:
+    """`items` at `indices` (ascending): `items` itself where that is all of them (most
+    steps: every request samples)."""
+    return items if len(indices) == len(items) else [items[i] for i in indices]
+
+
 def _no_grad(method: Callable[..., T]) -> Callable[..., T]:
     """Run a runner method without autograd: `inference_mode` where the platform allows it."""
     @functools.wraps(method)
@@ -262,16 +268,16 @@ class ModelRunner:
             kv_output = self.kv_hooks.step_without_forward(so.kv_connector_metadata,
                                                            so.finished_req_ids)
             return StartedStep([], [], None, None, 0.0, NO_MASKS, kv_output)
-        states = [self.requests[r] for r in req_ids]
+        states = list(map(self.requests.__getitem__, req_ids))  # (C-level: no bytecode a row)
         spec = so.scheduled_spec_decode_tokens
-        inputs = prepare_inputs(states, [so.num_scheduled_tokens[r] for r in req_ids],
+        inputs = prepare_inputs(states, list(so.num_scheduled_tokens.values()),
                                 self.block_tables.gather(req_ids), self.block_size,
                                 [spec.get(r, []) for r in req_ids] if spec else None)
         if self.platform.static_shapes:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
             self.publish_inputs(inputs, so.kv_connector_metadata)
-        masks = self.grammar_masks.start([states[i] for i in inputs.sample_req_indices],
+        masks = self.grammar_masks.start(_rows(states, inputs.sample_req_indices),
                                          inputs.sampling_row_drafts())
         self.kv_hooks.before_forward(so.kv_connector_metadata)
         start = time.perf_counter()
@@ -318,11 +324,14 @@ class ModelRunner:
         logprobs: dict[str, LogprobsLists] = {}
         accepted: dict[str, int] = {}
         if num_sampling:
-            sample_states = [states[i] for i in inputs.sample_req_indices]
+            sample_states = _rows(states, inputs.sample_req_indices)
             token_ids = self._sample(sample_states, logits[:num_sampling], logprobs, step.masks,
                                      inputs.sampling_row_drafts())
-            for i, token_id in zip(inputs.sample_req_indices, token_ids):
-                sampled[i] = token_id
+            if num_sampling == len(sampled):  # (most steps: every row samples)
+                sampled = token_ids
+            else:
+                for i, token_id in zip(inputs.sample_req_indices, token_ids):
+                    sampled[i] = token_id
             if num_drafts:
                 draft_logits = logits[len(logits) - num_drafts:]
                 rows, bitmask = self.grammar_masks.draft_bitmask(states, inputs.spec_drafts)
@@ -335,8 +344,13 @@ class ModelRunner:
                     accepted[states[i].req_id], sampled[i] = n, token_id
                     for draft in drafts[:n]:
                         states[i].append_output_token_id(draft)
-            for i in inputs.sample_req_indices:
-                states[i].append_output_token_id(sampled[i])
+            if not num_drafts and step.masks is NO_MASKS:  # (no grammar: the appends inline)
+                for state, token_id in zip(sample_states, token_ids):
+                    state.output_token_ids.append(token_id)
+                    state.all_token_ids.append(token_id)
+            else:
+                for i in inputs.sample_req_indices:
+                    states[i].append_output_token_id(sampled[i])
         output = ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs,
                                    forward_seconds, step.kv_output, accepted)
         if isinstance(self.drafter, EagleDrafter) and step.draft_model_runs:

@@ -97,8 +97,8 @@ async def _fitted_chat(request: Request, body: ResponsesRequest, history: list[d
     bisection among the rest, so a hostile conversation costs a few renders of at most a
     context's worth of text."""
     conversation = history + messages
-    if body.truncation != "auto":
-        return body.to_chat([], conversation)
+    if body.truncation != "auto" or not conversation:  # (nothing to drop: an empty input
+        return body.to_chat([], conversation)  # is the chat request's to refuse)
     engine = running_engine(request)
     room = engine.model_info.max_model_len - (body.max_output_tokens or 1)
 

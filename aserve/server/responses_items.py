@@ -159,7 +159,9 @@ class ResponsesRequest(StrictModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, value: Any) -> Any:
-        for i, tool in enumerate(value or []):
+        if not isinstance(value, list):
+            return value  # (None, or not a list: the field's type refuses it)
+        for i, tool in enumerate(value):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 raise ValueError(f"tools.{i}.type: {kind!r} tools are not supported; this "

@@ -231,6 +231,9 @@ def test_truncation_auto_renders_no_more_than_a_context_of_a_huge_conversation(u
      "not found"),
     ({"input": "word " * 400}, 400, "input", ""),
     ({"input": "x", "model": "other"}, 404, "model", ""),
+    ({"input": []}, 400, "input", ""),
+    ({"input": [], "truncation": "auto"}, 400, "input", ""),  # (nothing to truncate)
+    ({"input": "x", "tools": True}, 400, "tools", ""),
 ])
 def test_bad_requests_are_errors_naming_the_field(url, body, status, param, contains):
     assert_error(httpx.post(f"{url}/v1/responses", json=body), status, param, contains)
