@@ -63,23 +63,26 @@ class PreparedInputs:
 
 def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
                    block_tables: list[np.ndarray], block_size: int,
-                   drafts: list[list[int]] | None = None) -> PreparedInputs:
+                   drafts: list[list[int]] | None = None,
+                   prompt_logprobs: bool = True) -> PreparedInputs:
     """`block_tables`: per KV cache group, [len(states), max_num_blocks] int32, row i the
     block ids of `states[i]`, zero-padded. `drafts[i]`: the tokens request i's query runs on
-    past its known ones (speculative decoding), or None."""
+    past its known ones (speculative decoding), or None. `prompt_logprobs`: whether any of
+    them may ask for prompt logprobs (False: none is looked at for it)."""
     num_reqs = len(states)
-    query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=query_start_loc[1:])
     computed = list(map(_COMPUTED, states))  # (Python ints for the slicing below)
     token_lists = list(map(_TOKENS, states))
     num_computed = np.array(computed, dtype=np.int32)
-    seq_lens = num_computed + query_lens  # [num_reqs]
-
-    if query_start_loc[-1] == num_reqs:  # decode-only step: one token each (none has 0)
+    if sum(num_scheduled) == num_reqs:  # decode-only step: one token each (none has 0)
+        query_lens = np.ones(num_reqs, dtype=np.int32)
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        req_of_token = np.arange(num_reqs)
         input_ids = np.array(list(map(getitem, token_lists, computed)), dtype=np.int64)
         positions = num_computed.astype(np.int64)
     else:
+        query_lens = np.asarray(num_scheduled, dtype=np.int32)  # [num_reqs]
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
         input_ids = np.concatenate([
             np.asarray((t + d if d else t)[c:c + n], dtype=np.int64)
             for t, c, n, d in zip(token_lists, computed, num_scheduled,
@@ -89,8 +92,8 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
         offsets = np.arange(len(input_ids)) - query_start_loc[req_of_token]
         positions = (num_computed[req_of_token] + offsets).astype(np.int64)
+    seq_lens = num_computed + query_lens  # [num_reqs]
 
-    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     slot_mappings = []
     for block_table in block_tables:
         block_ids = block_table[req_of_token, positions // block_size]
@@ -101,9 +104,12 @@ def prepare_inputs(states: list[CachedRequestState], num_scheduled: list[int],
     if drafts:
         num_known += np.fromiter(map(len, drafts), dtype=np.int64, count=num_reqs)
     sample_req_indices = np.flatnonzero(seq_lens == num_known).tolist()
-    rows = [query_start_loc[1:][sample_req_indices].astype(np.int64) - 1]
+    ends = query_start_loc[1:].astype(np.int64) - 1  # each request's last row
+    rows = [ends if len(sample_req_indices) == num_reqs else ends[sample_req_indices]]
     spans = []
-    for i in compress(range(num_reqs), map(is_not, map(_PROMPT_LOGPROBS, states), repeat(None))):
+    asking = (compress(range(num_reqs), map(is_not, map(_PROMPT_LOGPROBS, states), repeat(None)))
+              if prompt_logprobs else ())
+    for i in asking:
         state, c, n = states[i], computed[i], num_scheduled[i]
         end = min(c + n, state.num_prompt_tokens - 1)
         if c < end:

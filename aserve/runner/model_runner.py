@@ -133,6 +133,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=platform.generator_device(self.device))
         self.generator.manual_seed(model_config.seed)
         self.requests: dict[str, CachedRequestState] = {}
+        self.prompt_logprob_req_ids: set[str] = set()  # (those of `requests` that ask)
         self.block_tables = BlockTables(num_groups=1)
         self.kv_caches: list[torch.Tensor] = []  # this stage's KV buffers
         self.num_kv_groups = 1
@@ -237,7 +238,10 @@ class ModelRunner:
         self.block_tables.update(so)
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
+            self.prompt_logprob_req_ids.discard(req_id)
         for new in so.scheduled_new_reqs:
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprob_req_ids.add(new.req_id)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -272,7 +276,8 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         inputs = prepare_inputs(states, list(so.num_scheduled_tokens.values()),
                                 self.block_tables.gather(req_ids), self.block_size,
-                                [spec.get(r, []) for r in req_ids] if spec else None)
+                                [spec.get(r, []) for r in req_ids] if spec else None,
+                                bool(self.prompt_logprob_req_ids))
         if self.platform.static_shapes:
             inputs = pad_to_bucket(inputs)
         if self.publish_inputs is not None:
