@@ -32,7 +32,6 @@ from collections.abc import Iterable, Sequence
 from aserve.config import CacheConfig, SchedulerConfig
 from aserve.core.kv_cache_coordinator import GroupBlocks
 from aserve.core.kv_cache_manager import KVCacheManager
-from aserve.core.kv_cache_utils import max_blocks_per_request
 from aserve.core.kv_connector import KVConnectorScheduler
 from aserve.core.outputs import (
     CachedRequestData,
@@ -47,6 +46,7 @@ from aserve.core.outputs import (
 from aserve.core.remote_kv import make_remote_kv
 from aserve.core.request import FINISH_REASONS, Request, RequestStatus
 from aserve.core.request_queue import create_request_queue
+from aserve.core.scheduler_checks import check_scheduler
 from aserve.core.spec_policy import make_spec_policy
 from aserve.core.step_cost import StepCostModel, chunk_cost, prefill_token_cap
 from aserve.core.step_plan import StepPlan, is_prefill
@@ -515,45 +515,6 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Assert the docs/design.md §10 invariants that hold between steps."""
-        kv = self.kv_cache_manager
-        kv.check_invariants()
-        self.remote_kv.check_invariants(self.requests)
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in self.waiting}
-        remote_ids = self.remote_kv.request_ids()
-        assert len(running_ids) == len(self.running), "a request is running twice"
-        assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert not (running_ids | waiting_ids) & remote_ids, "a loading request is queued"
-        assert running_ids | waiting_ids | remote_ids == set(self.requests), (
-            "request table out of sync")
-        assert len(self.running) <= self.config.max_num_seqs, "too many running requests"
-        if self.config.policy == "priority":
-            keys = [r.sort_key() for r in self.running]
-            assert keys == sorted(keys), "running is out of preemption order"
-        for request in self.running:
-            self._check_running(request)
-        for request in self.waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
-            assert not kv.holds_blocks(request.request_id), f"waiting {request} holds blocks"
-            assert request.num_output_placeholders == 0, request
-        output = self._last_output
-        if output is not None:
-            assert output.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
-            assert len(output.num_scheduled_tokens) <= self.config.max_num_seqs
-
-    def _check_running(self, request: Request) -> None:
-        kv, config = self.kv_cache_manager, self.config
-        assert request.status == RequestStatus.RUNNING, request
-        for group_id, block_ids in enumerate(kv.get_block_ids(request.request_id)):
-            covered = len(block_ids) * self.block_size
-            assert request.num_computed_tokens <= covered, (
-                f"group {group_id}'s blocks do not cover {request}")
-            max_blocks = max_blocks_per_request(kv.groups[group_id], config.max_model_len,
-                                                config.max_num_batched_tokens
-                                                + self.spec.num_lookahead)
-            num_held = sum(1 for block_id in block_ids if block_id != 0)
-            assert num_held <= max_blocks, f"{request} holds {num_held} blocks of group {group_id}"
-        assert request.num_computed_tokens <= (request.num_tokens + request.num_output_placeholders
-                                               + len(request.spec_token_ids)), request
-        assert request.num_output_placeholders <= 2 * config.async_scheduling, request
+        """Assert the docs/design.md §10 invariants that hold between steps
+        (`scheduler_checks.py`)."""
+        check_scheduler(self)
