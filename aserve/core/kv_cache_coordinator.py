@@ -111,11 +111,10 @@ class KVCacheCoordinator:
         for manager, hit in zip(self.managers, hits, strict=True):
             manager.save_new_computed_blocks(req_id, hit)
         new_blocks = tuple(m.allocate_new_blocks(req_id, num_tokens) for m in self.managers)
-        if self.pool.enable_caching and not delay_cache_blocks:
-            update_block_hashes(request, self.block_size)
-            for manager in self.managers:
-                manager.cache_blocks(request, num_tokens)
-        self.set_bounds(request)
+        if delay_cache_blocks:
+            self.set_bounds(request)
+        else:
+            self.register_full_blocks(request, num_tokens)
         return new_blocks
 
     def set_bounds(self, request: Request) -> None:
@@ -142,9 +141,9 @@ class KVCacheCoordinator:
         request.num_slot_tokens, request.num_covered_tokens = slots, covered
 
     def register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """`allocate_slots` where the request's blocks have room for `num_tokens` already
-        (`num_slot_tokens`, no hit, nothing a connector loads): register the blocks they
-        fill."""
+        """Register the blocks the request's first `num_tokens` fill (prefix caching on), and
+        set its bounds: the end of `allocate_slots`, and all of it where the blocks have room
+        for `num_tokens` already (`num_slot_tokens`, no hit, nothing a connector loads)."""
         if self.pool.enable_caching:
             update_block_hashes(request, self.block_size)
             for manager in self.managers:
@@ -157,11 +156,7 @@ class KVCacheCoordinator:
         peer still had — then register the full blocks that remain."""
         for manager in self.managers:
             manager.remove_skipped_blocks(request.request_id, num_computed_tokens)
-        if self.pool.enable_caching:
-            update_block_hashes(request, self.block_size)
-            for manager in self.managers:
-                manager.cache_blocks(request, num_computed_tokens)
-        self.set_bounds(request)
+        self.register_full_blocks(request, num_computed_tokens)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(req_id) for m in self.managers)

@@ -160,9 +160,6 @@ class StepOutputs:
     def __bool__(self) -> bool:
         return bool(self.outputs) or bool(self.req_ids)
 
-    def __len__(self) -> int:
-        return len(self.outputs) + len(self.req_ids)
-
     def __iter__(self) -> Iterator[EngineCoreOutput]:
         yield from self.outputs
         for req_id, token_id in zip(self.req_ids, self.token_ids, strict=True):

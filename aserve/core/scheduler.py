@@ -259,10 +259,6 @@ class Scheduler:
                 del request.spec_token_ids[num_new - 1:]
             if num_new <= 0:
                 index += 1
-            elif (num_new == 1 and not self.spec.num_lookahead
-                  and num_computed < request.num_covered_tokens):
-                plan.schedule(request, 1, no_new_blocks)  # (no allocation needed)
-                index += 1
             else:
                 while (block_ids := allocate(request, num_new)) is None:
                     plan.resolve_prefill_cap()  # (before `running` changes)
@@ -409,26 +405,16 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
-            if plain:
-                if token_id is None:
-                    continue
+            output_ids, all_ids = request.output_token_ids, request.all_token_ids
+            if (plain and token_id is not None and 0 < len(output_ids) < request.max_tokens - 1
+                    and len(all_ids) + 1 < max_model_len
+                    and token_id not in request.stop_token_ids):  # (neither first nor last)
                 if request.num_output_placeholders:
                     request.num_output_placeholders -= 1
-                output_ids, all_ids = request.output_token_ids, request.all_token_ids
                 output_ids.append(token_id)
                 all_ids.append(token_id)
-                if (1 < len(output_ids) < request.max_tokens and len(all_ids) < max_model_len
-                        and token_id not in request.stop_token_ids):
-                    plain_req_ids.append(req_id)
-                    plain_token_ids.append(token_id)
-                    continue
-                kv_transfer_params = None
-                if request.check_stop(token_id, max_model_len):
-                    running_reqs.remove(request)
-                    kv_transfer_params = free(request)
-                outputs.append(EngineCoreOutput(
-                    req_id, [token_id], None, None, finish_reason_of(request.status),
-                    request.stop_reason, max(request.num_cached_tokens, 0), kv_transfer_params))
+                plain_req_ids.append(req_id)
+                plain_token_ids.append(token_id)
                 continue
             prompt_logprobs = all_prompt_logprobs.get(req_id) if all_prompt_logprobs else None
             if prompt_logprobs is not None:

@@ -59,7 +59,8 @@ class StepPlan:
         # In batch order: running requests first, then admitted ones.
         self.num_scheduled: dict[str, int] = {}
         self.cached: dict[str, CachedRequestData] = {}  # the running requests'
-        self.decodes: list[Request] = []  # running requests given one token by `decode`
+        self.decodes: list[Request] = []  # running requests the scheduler's loop gave a
+        # plain decode (one token, no block: `spent`)
         self.others: list[Request] = []  # every other request scheduled, admitted ones too
         self.admitted: list[Request] = []
         self.preempted: list[Request] = []

@@ -207,11 +207,7 @@ class OutputProcessor:
         if (finish_reason == "stop" and not isinstance(stop_reason, str)
                 and not parent.params.include_stop_str_in_output):
             new_ids = new_ids[:-1]  # the EOS / stop token itself is not part of the text
-        detokenizer = child.detokenizer
-        if len(new_ids) <= 1 or not detokenizer.stop:  # (`_update_text`'s common case)
-            stop_str, kept = detokenizer.update(new_ids, finish_reason is not None), len(new_ids)
-        else:
-            stop_str, kept = self._update_text(child, new_ids, finish_reason is not None)
+        stop_str, kept = self._update_text(child, new_ids, finish_reason is not None)
         if stop_str is not None:
             finish_reason, stop_reason = "stop", stop_str
             kept = min(kept, len(output.new_token_ids))
